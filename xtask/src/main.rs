@@ -1,0 +1,93 @@
+//! `cargo xtask <command>`: the project's automation, in Rust.
+//!
+//! - `demo [ARGS]`: the main job (the README's first command).
+//! - `test`: every check and test (the README's second command, and CI's).
+//! - `bench`: benchmarks.
+//! - `prereqs`: install what the MLX build needs and do nothing else.
+//!
+//! Every command first makes sure the machine has what the MLX build needs,
+//! installing Debian packages when it can, so each one works on a fresh clone.
+
+mod prereqs;
+
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let command = args.next().unwrap_or_default();
+    let rest: Vec<String> = args.collect();
+    match command.as_str() {
+        "prereqs" => prereqs::ensure(),
+        "test" => {
+            prereqs::ensure()?;
+            test()
+        }
+        "demo" => {
+            prereqs::ensure()?;
+            cargo(&["run", "--release", "--package", "demo", "--"], &rest)
+        }
+        "bench" => {
+            prereqs::ensure()?;
+            cargo(&["bench", "--package", "demo"], &rest)
+        }
+        _ => bail!(
+            "usage: cargo xtask <command>\n\n\
+             commands:\n  \
+             demo [ARGS]  run the end-to-end demo (the main job)\n  \
+             test         formatting, lints and every test in the workspace\n  \
+             bench        run the benchmarks\n  \
+             prereqs      install the system packages the MLX build needs"
+        ),
+    }
+}
+
+/// fmt, clippy, then all tests. MLX is not thread-safe, so tests run one
+/// process per test under nextest, or on one test thread without it.
+fn test() -> Result<()> {
+    cargo(&["fmt", "--all", "--check"], &[])?;
+    cargo(
+        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+        &[],
+    )?;
+    if has_nextest() {
+        cargo(
+            &["nextest", "run", "--workspace", "--no-fail-fast", "--no-tests=fail"],
+            &[],
+        )?;
+    } else {
+        eprintln!("xtask: cargo-nextest not found; running cargo test on one thread");
+        cargo(
+            &["test", "--workspace", "--all-targets", "--no-fail-fast", "--", "--test-threads=1"],
+            &[],
+        )?;
+    }
+    cargo(&["test", "--workspace", "--doc", "--", "--test-threads=1"], &[])
+}
+
+fn has_nextest() -> bool {
+    Command::new(cargo_bin())
+        .args(["nextest", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn cargo_bin() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+fn cargo(args: &[&str], extra: &[String]) -> Result<()> {
+    let shown = args.iter().copied().chain(extra.iter().map(String::as_str));
+    let shown: Vec<&str> = shown.collect();
+    eprintln!("xtask: cargo {}", shown.join(" "));
+    let status = Command::new(cargo_bin())
+        .args(args)
+        .args(extra)
+        .status()
+        .with_context(|| format!("running cargo {}", shown.join(" ")))?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", shown.join(" "));
+    }
+    Ok(())
+}

@@ -1,0 +1,131 @@
+//! The system packages the MLX build needs, installed when missing.
+//!
+//! On Linux: a C++ compiler, libclang (bindgen) and, for speed, OpenBLAS.
+//! As root with apt-get they are installed; otherwise the error names them.
+//! Idempotent: when everything is present this only looks at a few files.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+/// A Debian package and how to tell it is already there.
+struct Requirement {
+    package: &'static str,
+    why: &'static str,
+    required: bool,
+    present: fn() -> bool,
+}
+
+const REQUIREMENTS: &[Requirement] = &[
+    Requirement {
+        package: "libclang-dev",
+        why: "bindgen needs libclang to generate the mlx-c bindings",
+        required: true,
+        present: libclang_present,
+    },
+    Requirement {
+        package: "libopenblas0-pthread",
+        why: "MLX's CPU matmul is ~10x faster with OpenBLAS than with the bundled reference BLAS",
+        required: false,
+        present: openblas_present,
+    },
+    Requirement {
+        package: "g++",
+        why: "mlx-c is C++ and is compiled by the mlx-sys build script",
+        required: true,
+        present: cxx_present,
+    },
+];
+
+pub fn ensure() -> Result<()> {
+    if !cfg!(target_os = "linux") {
+        // macOS: Xcode's command line tools carry clang and libclang.
+        return Ok(());
+    }
+    let missing: Vec<&Requirement> = REQUIREMENTS.iter().filter(|r| !(r.present)()).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = missing.iter().map(|r| r.package).collect();
+    if is_root() && Path::new("/usr/bin/apt-get").exists() {
+        eprintln!("xtask: installing {}", names.join(" "));
+        apt_get(&["update", "-qq"])?;
+        let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
+        args.extend(&names);
+        apt_get(&args)?;
+        let still: Vec<&str> = missing
+            .iter()
+            .filter(|r| !(r.present)())
+            .map(|r| r.package)
+            .collect();
+        if !still.is_empty() {
+            bail!("installed {} but still cannot find {}", names.join(" "), still.join(" "));
+        }
+        return Ok(());
+    }
+    let explain: Vec<String> = missing
+        .iter()
+        .map(|r| format!("  {} ({}){}", r.package, r.why, if r.required { "" } else { " [optional]" }))
+        .collect();
+    let message = format!(
+        "missing system packages:\n{}\ninstall them with: sudo apt-get install {}",
+        explain.join("\n"),
+        names.join(" ")
+    );
+    if missing.iter().any(|r| r.required) {
+        bail!(message);
+    }
+    eprintln!("xtask: warning: {message}");
+    Ok(())
+}
+
+fn apt_get(args: &[&str]) -> Result<()> {
+    let status = Command::new("apt-get")
+        .args(args)
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()
+        .context("running apt-get")?;
+    if !status.success() {
+        bail!("apt-get {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+fn libclang_present() -> bool {
+    if std::env::var_os("LIBCLANG_PATH").is_some() {
+        return true;
+    }
+    let mut dirs = vec!["/usr/lib/x86_64-linux-gnu".to_owned(), "/usr/lib64".to_owned(), "/usr/lib".to_owned()];
+    if let Ok(entries) = std::fs::read_dir("/usr/lib") {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("llvm-") {
+                dirs.push(format!("/usr/lib/{name}/lib"));
+            }
+        }
+    }
+    dirs.iter().any(|dir| {
+        std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries.flatten().any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with("libclang") && name.contains(".so") && !name.starts_with("libclang-cpp")
+            })
+        })
+    })
+}
+
+fn openblas_present() -> bool {
+    Path::new("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3").exists()
+}
+
+fn cxx_present() -> bool {
+    Command::new("c++").arg("--version").output().is_ok_and(|o| o.status.success())
+}
