@@ -48,22 +48,45 @@ fn main() -> Result<()> {
 fn test() -> Result<()> {
     cargo(&["fmt", "--all", "--check"], &[])?;
     cargo(
-        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
         &[],
     )?;
     if has_nextest() {
         cargo(
-            &["nextest", "run", "--workspace", "--no-fail-fast", "--no-tests=fail"],
+            &[
+                "nextest",
+                "run",
+                "--workspace",
+                "--no-fail-fast",
+                "--no-tests=fail",
+            ],
             &[],
         )?;
     } else {
         eprintln!("xtask: cargo-nextest not found; running cargo test on one thread");
         cargo(
-            &["test", "--workspace", "--all-targets", "--no-fail-fast", "--", "--test-threads=1"],
+            &[
+                "test",
+                "--workspace",
+                "--all-targets",
+                "--no-fail-fast",
+                "--",
+                "--test-threads=1",
+            ],
             &[],
         )?;
     }
-    cargo(&["test", "--workspace", "--doc", "--", "--test-threads=1"], &[])
+    cargo(
+        &["test", "--workspace", "--doc", "--", "--test-threads=1"],
+        &[],
+    )
 }
 
 fn has_nextest() -> bool {

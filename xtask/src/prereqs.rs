@@ -60,13 +60,24 @@ pub fn ensure() -> Result<()> {
             .map(|r| r.package)
             .collect();
         if !still.is_empty() {
-            bail!("installed {} but still cannot find {}", names.join(" "), still.join(" "));
+            bail!(
+                "installed {} but still cannot find {}",
+                names.join(" "),
+                still.join(" ")
+            );
         }
         return Ok(());
     }
     let explain: Vec<String> = missing
         .iter()
-        .map(|r| format!("  {} ({}){}", r.package, r.why, if r.required { "" } else { " [optional]" }))
+        .map(|r| {
+            format!(
+                "  {} ({}){}",
+                r.package,
+                r.why,
+                if r.required { "" } else { " [optional]" }
+            )
+        })
         .collect();
     let message = format!(
         "missing system packages:\n{}\ninstall them with: sudo apt-get install {}",
@@ -103,7 +114,11 @@ fn libclang_present() -> bool {
     if std::env::var_os("LIBCLANG_PATH").is_some() {
         return true;
     }
-    let mut dirs = vec!["/usr/lib/x86_64-linux-gnu".to_owned(), "/usr/lib64".to_owned(), "/usr/lib".to_owned()];
+    let mut dirs = vec![
+        "/usr/lib/x86_64-linux-gnu".to_owned(),
+        "/usr/lib64".to_owned(),
+        "/usr/lib".to_owned(),
+    ];
     if let Ok(entries) = std::fs::read_dir("/usr/lib") {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -116,7 +131,9 @@ fn libclang_present() -> bool {
         std::fs::read_dir(dir).is_ok_and(|entries| {
             entries.flatten().any(|e| {
                 let name = e.file_name().to_string_lossy().into_owned();
-                name.starts_with("libclang") && name.contains(".so") && !name.starts_with("libclang-cpp")
+                name.starts_with("libclang")
+                    && name.contains(".so")
+                    && !name.starts_with("libclang-cpp")
             })
         })
     })
@@ -127,5 +144,8 @@ fn openblas_present() -> bool {
 }
 
 fn cxx_present() -> bool {
-    Command::new("c++").arg("--version").output().is_ok_and(|o| o.status.success())
+    Command::new("c++")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
 }

@@ -100,3 +100,21 @@ pub fn current_device() -> ComputeDevice {
         _ => ComputeDevice::Cpu,
     }
 }
+
+/// The version of the MLX library loaded at run time, e.g. `"0.32.2"`.
+pub fn mlx_version() -> String {
+    // SAFETY: the string is created, filled through a valid out-pointer, read
+    // while alive (mlx-c keeps it NUL-terminated) and freed exactly once.
+    unsafe {
+        let mut s = mlx_sys::mlx_string_new();
+        let version = if mlx_sys::mlx_version(&mut s) == 0 {
+            std::ffi::CStr::from_ptr(mlx_sys::mlx_string_data(s))
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            String::from("unknown")
+        };
+        mlx_sys::mlx_string_free(s);
+        version
+    }
+}

@@ -21,4 +21,6 @@
 
 mod device;
 
-pub use device::{best_device, current_device, is_available, use_device, ComputeDevice, DeviceError};
+pub use device::{
+    best_device, current_device, is_available, mlx_version, use_device, ComputeDevice, DeviceError,
+};

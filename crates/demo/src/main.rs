@@ -9,7 +9,10 @@ use mlx_rs::Dtype;
 
 fn main() -> Result<()> {
     let device = use_device(best_device())?;
-    println!("MLX {} (mlx-rs 0.33.0, mlx-c 0.7.0)", mlx_version()?);
+    println!(
+        "MLX {} (mlx-rs 0.33.0, mlx-c 0.7.0)",
+        block_stream::mlx_version()
+    );
     println!("device: {device}");
     println!("BLAS: {} (libmlx from {})", mlx_sys::BLAS, mlx_sys::LIB_DIR);
     for dtype in [Dtype::Float32, Dtype::Bfloat16] {
@@ -23,18 +26,4 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn mlx_version() -> Result<String> {
-    let mut s = unsafe { mlx_sys::mlx_string_new() };
-    // SAFETY: `s` is a valid mlx_string that mlx_version overwrites.
-    let status = unsafe { mlx_sys::mlx_version(&mut s) };
-    anyhow::ensure!(status == 0, "mlx_version failed");
-    // SAFETY: `s` holds a NUL-terminated string that lives until freed below.
-    let version = unsafe { std::ffi::CStr::from_ptr(mlx_sys::mlx_string_data(s)) }
-        .to_string_lossy()
-        .into_owned();
-    // SAFETY: freed exactly once.
-    unsafe { mlx_sys::mlx_string_free(s) };
-    Ok(version)
 }

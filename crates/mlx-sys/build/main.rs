@@ -60,7 +60,10 @@ fn run() -> Result<(), String> {
                 env::var("MLX_BLAS").ok().as_deref(),
                 openblas_found,
             )?;
-            (wheel::ensure_unpacked(&cache, platform.wheel(), blas)?, Some(blas))
+            (
+                wheel::ensure_unpacked(&cache, platform.wheel(), blas)?,
+                Some(blas),
+            )
         }
     };
 

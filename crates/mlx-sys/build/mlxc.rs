@@ -55,7 +55,9 @@ fn locate_with_cargo_metadata(out_dir: &Path) -> Result<PathBuf, String> {
         if offline {
             command.arg("--offline");
         }
-        let output = command.output().map_err(|e| format!("running cargo metadata: {e}"))?;
+        let output = command
+            .output()
+            .map_err(|e| format!("running cargo metadata: {e}"))?;
         if !output.status.success() {
             last_error = String::from_utf8_lossy(&output.stderr).into_owned();
             continue;
@@ -123,8 +125,8 @@ pub fn compile(
         println!("cargo:rerun-if-changed={}", source.display());
     }
 
-    let shim = Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap_or_default())
-        .join("build/format_shim.h");
+    let shim =
+        Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap_or_default()).join("build/format_shim.h");
     let mut build = cc::Build::new();
     build
         .cpp(true)

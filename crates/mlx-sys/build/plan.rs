@@ -83,6 +83,7 @@ impl Wheel {
 
 /// Which BLAS the Linux CPU backend ends up calling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(clippy::enum_variant_names)] // "OpenBlas" is the product's name.
 pub enum Blas {
     /// The reference BLAS/LAPACK bundled in the wheel (slow, always present).
     Reference,

