@@ -175,5 +175,7 @@ pub fn link_lines(platform: Platform, mlx_lib_dir: &Path) -> Vec<String> {
         // Read by crates that depend on us as DEP_MLX_LIBDIR; they add the
         // rpath to their own binaries (a library's rpath does not reach them).
         format!("cargo::metadata=libdir={lib}"),
+        // This crate's own tests and doc-tests.
+        format!("cargo::rustc-link-arg=-Wl,-rpath,{lib}"),
     ]
 }
