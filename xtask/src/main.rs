@@ -43,8 +43,9 @@ fn main() -> Result<()> {
     }
 }
 
-/// fmt, clippy, then all tests. MLX is not thread-safe, so tests run one
-/// process per test under nextest, or on one test thread without it.
+/// fmt, clippy, doc-tests, then all other tests. MLX is not thread-safe, so
+/// tests run one process per test under nextest, or on one test thread
+/// without it. The main run goes last so that its summary closes the output.
 fn test() -> Result<()> {
     cargo(&["fmt", "--all", "--check"], &[])?;
     cargo(
@@ -56,6 +57,10 @@ fn test() -> Result<()> {
             "-D",
             "warnings",
         ],
+        &[],
+    )?;
+    cargo(
+        &["test", "--workspace", "--doc", "--", "--test-threads=1"],
         &[],
     )?;
     if has_nextest() {
@@ -83,10 +88,7 @@ fn test() -> Result<()> {
             &[],
         )?;
     }
-    cargo(
-        &["test", "--workspace", "--doc", "--", "--test-threads=1"],
-        &[],
-    )
+    Ok(())
 }
 
 fn has_nextest() -> bool {
