@@ -1,0 +1,97 @@
+//! One memory-mapped safetensors file.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::dtype::Dtype;
+use crate::error::{io_error, Error, Result};
+use crate::header::{parse_header, Header, TensorInfo};
+
+/// A borrowed view of one tensor's bytes inside a map.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    /// The tensor's key.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Dimensions, outermost first.
+    pub shape: &'a [usize],
+    /// The raw little-endian bytes, straight from the page cache.
+    pub data: &'a [u8],
+}
+
+/// A safetensors file mapped into memory together with its validated header.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    map: Mmap,
+    header: Header,
+}
+
+impl SafetensorsFile {
+    /// Maps `path` and validates its header; tensor data is not read until used.
+    ///
+    /// # The memory-map contract
+    ///
+    /// The file must not be modified or truncated while this value (or any
+    /// view or MLX array made from it) is alive. Views read the file's pages
+    /// directly: a concurrent writer changes them underneath, and truncation
+    /// makes reading them fault (SIGBUS). Model files are written once and
+    /// replaced by rename, which is safe: the map keeps the old file alive.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the file cannot be opened or mapped;
+    /// [`Error::Header`] when its header is invalid.
+    pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::open(&path).map_err(io_error(&path))?;
+        // SAFETY: mapping is sound as long as the file is not changed while
+        // mapped; that contract is the caller's, stated above. The map is
+        // read-only, so we never write through it.
+        let map = unsafe { Mmap::map(&file) }.map_err(io_error(&path))?;
+        let header = parse_header(&map, map.len() as u64).map_err(|source| Error::Header {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(SafetensorsFile { path, map, header })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The validated header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// The whole file's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// A view of the tensor named `name`.
+    pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
+        self.header.tensor(name).map(|info| self.view(info))
+    }
+
+    /// Views of every tensor, in file order.
+    pub fn tensors(&self) -> impl Iterator<Item = TensorView<'_>> {
+        self.header.tensors().iter().map(|info| self.view(info))
+    }
+
+    fn view<'a>(&'a self, info: &'a TensorInfo) -> TensorView<'a> {
+        let start = self.header.data_start() + info.data_offsets.0;
+        let end = self.header.data_start() + info.data_offsets.1;
+        TensorView {
+            name: &info.name,
+            dtype: info.dtype,
+            shape: &info.shape,
+            // In range: parse_header checked every offset against the file length.
+            data: &self.map[start..end],
+        }
+    }
+}

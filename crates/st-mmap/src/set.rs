@@ -1,0 +1,173 @@
+//! Several safetensors files (the shards of one model) seen as one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{io_error, Error, Result};
+use crate::file::{SafetensorsFile, TensorView};
+
+/// The file name of a sharded model's index.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Several mapped files whose keys are unique across all of them.
+#[derive(Debug)]
+pub struct SafetensorsSet {
+    files: Vec<SafetensorsFile>,
+    /// Key → position in `files`; sorted for stable iteration.
+    keys: BTreeMap<String, usize>,
+}
+
+#[derive(Deserialize)]
+struct IndexFile {
+    weight_map: HashMap<String, String>,
+}
+
+impl SafetensorsSet {
+    /// Maps every file in `paths` (see [`SafetensorsFile::open`] for the
+    /// memory-map contract).
+    ///
+    /// # Errors
+    /// Any error opening a file, or [`Error::DuplicateKey`] when two files
+    /// hold the same key (nothing is silently overwritten).
+    pub fn open_files<P: AsRef<Path>>(paths: impl IntoIterator<Item = P>) -> Result<Self> {
+        let files = paths
+            .into_iter()
+            .map(SafetensorsFile::open)
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_files(files)
+    }
+
+    /// Opens a model directory: the shards listed by
+    /// `model.safetensors.index.json` when present (cross-checked against the
+    /// shards' own headers), else every `*.safetensors` file in it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidIndex`] / [`Error::IndexMismatch`] for an unreadable
+    /// or lying index, [`Error::NoSafetensors`] for a directory without
+    /// weights, and any error of [`SafetensorsSet::open_files`].
+    pub fn open_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let index_path = dir.join(INDEX_FILE);
+        if index_path.is_file() {
+            return Self::open_indexed(dir, &index_path);
+        }
+        let mut paths: Vec<PathBuf> = fs::read_dir(dir)
+            .map_err(io_error(dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        if paths.is_empty() {
+            return Err(Error::NoSafetensors {
+                dir: dir.to_path_buf(),
+            });
+        }
+        paths.sort();
+        Self::open_files(paths)
+    }
+
+    fn open_indexed(dir: &Path, index_path: &Path) -> Result<Self> {
+        let text = fs::read_to_string(index_path).map_err(io_error(index_path))?;
+        let index: IndexFile = serde_json::from_str(&text).map_err(|e| Error::InvalidIndex {
+            path: index_path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let mut shard_names: Vec<&String> = index.weight_map.values().collect();
+        shard_names.sort();
+        shard_names.dedup();
+        for name in &shard_names {
+            // The index must not point outside the model directory.
+            if Path::new(name).components().count() != 1 {
+                return Err(Error::InvalidIndex {
+                    path: index_path.to_path_buf(),
+                    message: format!("shard name {name:?} is not a plain file name"),
+                });
+            }
+        }
+        let set = Self::open_files(shard_names.iter().map(|n| dir.join(n)))?;
+        let mismatch = |key: &str, problem: String| Error::IndexMismatch {
+            index: index_path.to_path_buf(),
+            key: key.to_owned(),
+            problem,
+        };
+        for (key, shard) in &index.weight_map {
+            match set.file_of(key) {
+                None => {
+                    return Err(mismatch(
+                        key,
+                        format!("is listed in {shard} but no shard holds it"),
+                    ))
+                }
+                Some(actual) if actual.file_name().is_some_and(|f| f != shard.as_str()) => {
+                    return Err(mismatch(
+                        key,
+                        format!("is listed in {shard} but is in {}", actual.display()),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        for (key, &file) in &set.keys {
+            if !index.weight_map.contains_key(key) {
+                let path = set.files[file].path().display().to_string();
+                return Err(mismatch(key, format!("is in {path} but not in the index")));
+            }
+        }
+        Ok(set)
+    }
+
+    fn from_files(files: Vec<SafetensorsFile>) -> Result<Self> {
+        let mut keys = BTreeMap::new();
+        for (i, file) in files.iter().enumerate() {
+            for info in file.header().tensors() {
+                if let Some(&first) = keys.get(&info.name) {
+                    let first: &SafetensorsFile = &files[first];
+                    return Err(Error::DuplicateKey {
+                        key: info.name.clone(),
+                        first: first.path().to_path_buf(),
+                        second: file.path().to_path_buf(),
+                    });
+                }
+                keys.insert(info.name.clone(), i);
+            }
+        }
+        Ok(SafetensorsSet { files, keys })
+    }
+
+    /// The mapped files, in the order they were opened.
+    pub fn files(&self) -> &[SafetensorsFile] {
+        &self.files
+    }
+
+    /// Every key, sorted.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.keys.keys().map(String::as_str)
+    }
+
+    /// Number of tensors across all files.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether no file holds any tensor.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// A view of the tensor `key`, wherever it is.
+    pub fn tensor(&self, key: &str) -> Option<TensorView<'_>> {
+        self.files[*self.keys.get(key)?].tensor(key)
+    }
+
+    /// The file that holds `key`.
+    pub fn file_of(&self, key: &str) -> Option<&Path> {
+        self.keys.get(key).map(|&i| self.files[i].path())
+    }
+
+    /// The mapped file that holds `key`.
+    pub fn mapped_file_of(&self, key: &str) -> Option<&SafetensorsFile> {
+        self.keys.get(key).map(|&i| &self.files[i])
+    }
+}

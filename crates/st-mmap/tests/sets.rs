@@ -1,0 +1,157 @@
+//! Many files as one: duplicates, model directories and their index.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use st_mmap::{BlockIndex, BlockPrefix, Error, SafetensorsSet, INDEX_FILE};
+
+/// Writes a file of U8 tensors named `keys`, each two bytes long.
+fn write(dir: &Path, name: &str, keys: &[&str]) -> PathBuf {
+    let data: Vec<Vec<u8>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, _)| vec![i as u8, 7])
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| {
+            (
+                k.to_string(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![2], d).unwrap(),
+            )
+        })
+        .collect();
+    let path = dir.join(name);
+    fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    path
+}
+
+fn write_index(dir: &Path, entries: &[(&str, &str)]) {
+    let map: serde_json::Map<String, serde_json::Value> = entries
+        .iter()
+        .map(|(k, f)| (k.to_string(), serde_json::Value::from(*f)))
+        .collect();
+    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+    fs::write(dir.join(INDEX_FILE), index.to_string()).unwrap();
+}
+
+#[test]
+fn keys_from_all_files_are_found_and_blocks_indexed() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = write(dir.path(), "a.safetensors", &["m.layers.0.w", "m.embed"]);
+    let b = write(
+        dir.path(),
+        "b.safetensors",
+        &["m.layers.1.w", "m.layers.1.v"],
+    );
+    let set = SafetensorsSet::open_files([&a, &b]).unwrap();
+    assert_eq!(set.len(), 4);
+    assert_eq!(set.file_of("m.layers.1.v"), Some(b.as_path()));
+    assert_eq!(set.tensor("m.embed").unwrap().data, &[1, 7]);
+    let index = BlockIndex::build(&BlockPrefix::new("m.layers."), set.keys()).unwrap();
+    assert_eq!(index.blocks().collect::<Vec<_>>(), [0, 1]);
+    assert_eq!(index.params(1).unwrap().len(), 2);
+}
+
+#[test]
+fn duplicate_keys_across_files_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = write(dir.path(), "a.safetensors", &["w"]);
+    let b = write(dir.path(), "b.safetensors", &["v", "w"]);
+    match SafetensorsSet::open_files([&a, &b]) {
+        Err(Error::DuplicateKey { key, first, second }) => {
+            assert_eq!((key.as_str(), first, second), ("w", a, b));
+        }
+        other => panic!("expected DuplicateKey, got {other:?}"),
+    }
+}
+
+#[test]
+fn directory_without_index_opens_every_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "model-00002-of-00002.safetensors", &["y"]);
+    write(dir.path(), "model-00001-of-00002.safetensors", &["x"]);
+    fs::write(dir.path().join("config.json"), "{}").unwrap();
+    let set = SafetensorsSet::open_dir(dir.path()).unwrap();
+    assert_eq!(set.keys().collect::<Vec<_>>(), ["x", "y"]);
+    assert!(set.files()[0]
+        .path()
+        .ends_with("model-00001-of-00002.safetensors"));
+}
+
+#[test]
+fn empty_directory_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        SafetensorsSet::open_dir(dir.path()),
+        Err(Error::NoSafetensors { .. })
+    ));
+}
+
+#[test]
+fn index_routes_and_is_cross_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "s1.safetensors", &["x"]);
+    write(dir.path(), "s2.safetensors", &["y"]);
+    // A stray file not named by the index is not opened.
+    write(dir.path(), "stray.safetensors", &["x"]);
+    write_index(
+        dir.path(),
+        &[("x", "s1.safetensors"), ("y", "s2.safetensors")],
+    );
+    let set = SafetensorsSet::open_dir(dir.path()).unwrap();
+    assert_eq!(set.len(), 2);
+
+    // The index lies about where y is.
+    write_index(
+        dir.path(),
+        &[("x", "s1.safetensors"), ("y", "s1.safetensors")],
+    );
+    let err = SafetensorsSet::open_dir(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, Error::IndexMismatch { key, .. } if key == "y"),
+        "{err}"
+    );
+
+    // The index names a tensor no shard has.
+    write_index(
+        dir.path(),
+        &[
+            ("x", "s1.safetensors"),
+            ("y", "s2.safetensors"),
+            ("z", "s2.safetensors"),
+        ],
+    );
+    let err = SafetensorsSet::open_dir(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, Error::IndexMismatch { key, .. } if key == "z"),
+        "{err}"
+    );
+
+    // A shard holds a tensor the index does not list.
+    write(dir.path(), "s2.safetensors", &["y", "extra"]);
+    write_index(
+        dir.path(),
+        &[("x", "s1.safetensors"), ("y", "s2.safetensors")],
+    );
+    let err = SafetensorsSet::open_dir(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, Error::IndexMismatch { key, .. } if key == "extra"),
+        "{err}"
+    );
+
+    // The index points outside the directory.
+    write_index(dir.path(), &[("x", "../s1.safetensors")]);
+    assert!(matches!(
+        SafetensorsSet::open_dir(dir.path()),
+        Err(Error::InvalidIndex { .. })
+    ));
+
+    // The index is not an index.
+    fs::write(dir.path().join(INDEX_FILE), "{\"weights\": 1}").unwrap();
+    assert!(matches!(
+        SafetensorsSet::open_dir(dir.path()),
+        Err(Error::InvalidIndex { .. })
+    ));
+}
