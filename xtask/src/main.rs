@@ -14,7 +14,15 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
+/// Names the Python that interop tests compare against.
+const INTEROP_PYTHON_VAR: &str = "MLX_LOWMEM_PYTHON";
+
 fn main() -> Result<()> {
+    // Every command works on the workspace, wherever it was started from.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("xtask lives inside the workspace")?;
+    std::env::set_current_dir(root).context("entering the workspace root")?;
     let mut args = std::env::args().skip(1);
     let command = args.next().unwrap_or_default();
     let rest: Vec<String> = args.collect();
@@ -22,6 +30,10 @@ fn main() -> Result<()> {
         "prereqs" => prereqs::ensure(),
         "test" => {
             prereqs::ensure()?;
+            if let Some(python) = prereqs::interop_python() {
+                // Read by the interop tests (they fall back to `python3`).
+                std::env::set_var(INTEROP_PYTHON_VAR, python);
+            }
             test()
         }
         "demo" => {

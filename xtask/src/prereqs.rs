@@ -149,3 +149,42 @@ fn cxx_present() -> bool {
         .output()
         .is_ok_and(|o| o.status.success())
 }
+
+/// Python packages the interop tests compare against (the reference's own
+/// libraries), pinned.
+const INTEROP_PACKAGES: &[&str] = &["zstandard==0.25.0"];
+
+/// Makes a virtual environment under `target/` with the interop packages and
+/// returns its python, so that interop tests run rather than skip. Python
+/// is only a reference here: when it cannot be set up, the tests say that
+/// they skip and everything else goes on.
+pub fn interop_python() -> Option<std::path::PathBuf> {
+    let venv = Path::new("target/interop-venv");
+    let python = venv.join("bin/python3");
+    let stamp = venv.join("installed.txt");
+    let wanted = INTEROP_PACKAGES.join("\n");
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) && python.exists() {
+        return std::fs::canonicalize(python).ok();
+    }
+    eprintln!(
+        "xtask: setting up {} with {}",
+        venv.display(),
+        INTEROP_PACKAGES.join(" ")
+    );
+    let ok = Command::new("python3")
+        .args(["-m", "venv", "--clear"])
+        .arg(venv)
+        .status()
+        .is_ok_and(|s| s.success())
+        && Command::new(&python)
+            .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+            .args(INTEROP_PACKAGES)
+            .status()
+            .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("xtask: warning: could not set up the Python interop environment; interop tests will skip");
+        return None;
+    }
+    std::fs::write(&stamp, wanted).ok()?;
+    std::fs::canonicalize(python).ok()
+}

@@ -174,14 +174,25 @@ pub fn parse_header(prefix: &[u8], file_len: u64) -> Result<Header, HeaderError>
         declared: n as u64,
         file_len: prefix.len() as u64,
     })?;
+    let body_len = (file_len - 8 - n as u64) as usize;
+    parse_json(json, Some(body_len))
+}
+
+/// Parses and validates header JSON on its own, when the file's length is
+/// not known yet (e.g. while decompressing a stream). The data section is
+/// taken to end where the last tensor ends; the tensors must still tile it
+/// exactly. Whoever reads the data must check that nothing follows it.
+pub fn parse_header_json(json: &[u8]) -> Result<Header, HeaderError> {
+    parse_json(json, None)
+}
+
+fn parse_json(json: &[u8], body_len: Option<usize>) -> Result<Header, HeaderError> {
     let text = std::str::from_utf8(json).map_err(|e| HeaderError::NotUtf8 {
         valid_up_to: e.valid_up_to(),
     })?;
     let entries: Entries = serde_json::from_str(text).map_err(|e| HeaderError::InvalidJson {
         message: e.to_string(),
     })?;
-    let body_len = (file_len - 8 - n as u64) as usize;
-
     let mut seen = std::collections::HashSet::new();
     let mut tensors = Vec::new();
     let mut metadata = None;
@@ -195,9 +206,11 @@ pub fn parse_header(prefix: &[u8], file_len: u64) -> Result<Header, HeaderError>
         }
         tensors.push(parse_tensor(key, value)?);
     }
+    let body_len =
+        body_len.unwrap_or_else(|| tensors.iter().map(|t| t.data_offsets.1).max().unwrap_or(0));
     check_layout(&mut tensors, body_len)?;
     Ok(Header {
-        json_len: n,
+        json_len: json.len(),
         body_len,
         tensors,
         metadata,

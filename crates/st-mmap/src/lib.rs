@@ -50,5 +50,7 @@ pub use block::{BlockIndex, BlockPrefix};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{Error, Result};
 pub use file::{SafetensorsFile, TensorView};
-pub use header::{json_len, parse_header, Header, HeaderError, TensorInfo, MAX_HEADER_LEN};
+pub use header::{
+    json_len, parse_header, parse_header_json, Header, HeaderError, TensorInfo, MAX_HEADER_LEN,
+};
 pub use set::{SafetensorsSet, INDEX_FILE};
