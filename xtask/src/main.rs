@@ -3,11 +3,13 @@
 //! - `demo [ARGS]`: the main job (the README's first command).
 //! - `test`: every check and test (the README's second command, and CI's).
 //! - `bench`: benchmarks.
+//! - `encode-adapter`, `decode-adapter`, `adapter-info`: the adapter codec.
 //! - `prereqs`: install what the MLX build needs and do nothing else.
 //!
 //! Every command first makes sure the machine has what the MLX build needs,
 //! installing Debian packages when it can, so each one works on a fresh clone.
 
+mod adapter;
 mod prereqs;
 
 use std::process::Command;
@@ -17,7 +19,17 @@ use anyhow::{bail, Context, Result};
 /// Names the Python that interop tests compare against.
 const INTEROP_PYTHON_VAR: &str = "MLX_LOWMEM_PYTHON";
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     // Every command works on the workspace, wherever it was started from.
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -28,6 +40,9 @@ fn main() -> Result<()> {
     let rest: Vec<String> = args.collect();
     match command.as_str() {
         "prereqs" => prereqs::ensure(),
+        "encode-adapter" => adapter::encode(&rest),
+        "decode-adapter" => adapter::decode(&rest),
+        "adapter-info" => adapter::info(&rest),
         "test" => {
             prereqs::ensure()?;
             if let Some(python) = prereqs::interop_python() {
@@ -42,14 +57,30 @@ fn main() -> Result<()> {
         }
         "bench" => {
             prereqs::ensure()?;
-            cargo(&["bench", "--package", "demo"], &rest)
+            let which = rest.first().map(String::as_str).unwrap_or("all");
+            if matches!(which, "all" | "matmul") {
+                cargo(&["bench", "--package", "demo", "--bench", "matmul"], &[])?;
+            }
+            if matches!(which, "all" | "codec") {
+                cargo(
+                    &["bench", "--package", "adapter-codec", "--bench", "codec"],
+                    &[],
+                )?;
+            }
+            if !matches!(which, "all" | "matmul" | "codec") {
+                bail!("unknown benchmark {which:?}: use matmul, codec, or nothing for all");
+            }
+            Ok(())
         }
         _ => bail!(
             "usage: cargo xtask <command>\n\n\
              commands:\n  \
              demo [ARGS]  run the end-to-end demo (the main job)\n  \
              test         formatting, lints and every test in the workspace\n  \
-             bench        run the benchmarks\n  \
+             bench [matmul|codec]  run the benchmarks (all by default)\n  \
+             encode-adapter SRC [--out FILE.zst] [--level N]\n  \
+             decode-adapter FILE.zst DST\n  \
+             adapter-info FILE.zst\n  \
              prereqs      install the system packages the MLX build needs"
         ),
     }

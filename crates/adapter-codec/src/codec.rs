@@ -7,11 +7,11 @@ use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
-use st_mmap::Dtype;
+use st_mmap::{Dtype, Header};
 
 use crate::compress::DEFAULT_LEVEL;
 use crate::error::{Error, Result};
-use crate::stream::{decode_stream, encode_stream, peek_dtype, DecodeStats, EncodeStats, Ends};
+use crate::stream::{decode_stream, encode_stream, peek_header, DecodeStats, EncodeStats, Ends};
 
 #[derive(Debug, Clone)]
 enum Source {
@@ -224,7 +224,14 @@ impl AdapterCodec {
     /// the header.
     pub fn dtype(&self) -> Result<Dtype> {
         let mut input = self.zst.open("compressed adapter (.zst)")?;
-        peek_dtype(&mut input, self.zst.name())
+        Ok(peek_header(&mut input, self.zst.name())?.1)
+    }
+
+    /// The adapter's safetensors header (tensor names, shapes, sizes).
+    /// Decodes only the header.
+    pub fn header(&self) -> Result<Header> {
+        let mut input = self.zst.open("compressed adapter (.zst)")?;
+        Ok(peek_header(&mut input, self.zst.name())?.0)
     }
 
     /// The bytes of `adapter_config.json`.

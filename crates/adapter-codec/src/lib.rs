@@ -57,5 +57,6 @@ mod stream;
 pub use codec::AdapterCodec;
 pub use compress::DEFAULT_LEVEL;
 pub use error::{Error, Result};
+pub use shuffle::{shuffle_bytes, unshuffle_bytes};
 pub use st_mmap::Dtype;
 pub use stream::{decode_stream, encode_stream, DecodeStats, EncodeStats, Ends, Progress};

@@ -266,13 +266,13 @@ pub fn decode_stream(
     })
 }
 
-/// Decodes only as far as the header and returns the adapter's dtype.
-pub fn peek_dtype(src: &mut dyn Read, source: &Path) -> Result<Dtype> {
+/// Decodes only as far as the header and returns it with the adapter's dtype.
+pub(crate) fn peek_header(src: &mut dyn Read, source: &Path) -> Result<(Header, Dtype)> {
     let zstd_err = |e: io::Error| Error::Zstd {
         path: source.to_path_buf(),
         message: e.to_string(),
     };
     let mut decoder = zstd::stream::read::Decoder::new(src).map_err(zstd_err)?;
-    let (_, _, dtype) = read_header(&mut decoder, None, source, &zstd_err)?;
-    Ok(dtype)
+    let (_, header, dtype) = read_header(&mut decoder, None, source, &zstd_err)?;
+    Ok((header, dtype))
 }
