@@ -273,10 +273,13 @@ pub(crate) fn write_atomically<T>(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let temp = tempfile::Builder::new()
-        .prefix(".partial-")
-        .tempfile_in(dir)
-        .map_err(io_err)?;
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".partial-");
+    // Temporary files are private (0600) by default; the renamed result
+    // should be an ordinary file.
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644));
+    let temp = builder.tempfile_in(dir).map_err(io_err)?;
     let mut out = BufWriter::new(temp);
     let value = write(&mut out)?;
     let temp = out.into_inner().map_err(|e| io_err(e.into_error()))?;

@@ -45,6 +45,20 @@ fn round_trip_is_byte_exact_and_reports_dtype_and_digest() {
     let mut sink = Vec::new();
     f.codec.decode_to_writer(&mut sink).unwrap();
     assert_eq!(sink, bytes);
+
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        for path in [dst.as_path(), f.codec.zst_path()] {
+            let mode = std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+            assert_eq!(
+                mode,
+                0o644,
+                "{} is not an ordinary readable file",
+                path.display()
+            );
+        }
+    }
 }
 
 #[test]
