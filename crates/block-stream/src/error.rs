@@ -1,0 +1,74 @@
+//! The crate's error type: variants name the file, block and parameter.
+
+use std::path::PathBuf;
+
+/// Errors from streaming blocks and fusing LoRA.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Opening, mapping or indexing a safetensors file failed.
+    #[error(transparent)]
+    Safetensors(#[from] st_mmap::Error),
+    /// Mapping a block's bytes failed.
+    #[error("{path}: mapping bytes {offset}..{end}: {source}")]
+    Map {
+        path: PathBuf,
+        offset: u64,
+        end: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    /// No key starts with the block prefix.
+    #[error("no key in {paths:?} starts with block prefix {prefix:?}")]
+    NoBlocks { prefix: String, paths: Vec<PathBuf> },
+    /// A block index that the files do not have.
+    #[error("block {block} does not exist; the blocks are {known:?}")]
+    UnknownBlock { block: usize, known: Vec<usize> },
+    /// The module has a parameter the block does not provide.
+    #[error("block {block}: the module's parameter {param:?} is not in the weights")]
+    MissingParam { block: usize, param: String },
+    /// The block provides a parameter the module does not have.
+    #[error("block {block}: the weights hold {param:?}, which the module does not have")]
+    UnexpectedParam { block: usize, param: String },
+    /// A weight's shape differs from the module's parameter.
+    #[error("block {block}: {param:?} has shape {actual:?} but the module expects {expected:?}")]
+    ShapeMismatch {
+        block: usize,
+        param: String,
+        expected: Vec<i32>,
+        actual: Vec<i32>,
+    },
+    /// A weight's dtype differs from the module's parameter.
+    #[error("block {block}: {param:?} is {actual:?} but the module expects {expected:?}")]
+    DtypeMismatch {
+        block: usize,
+        param: String,
+        expected: mlx_rs::Dtype,
+        actual: mlx_rs::Dtype,
+    },
+    /// A tensor's dtype has no MLX equivalent.
+    #[error("{key:?} has dtype {dtype}, which MLX cannot hold")]
+    UnsupportedDtype { key: String, dtype: st_mmap::Dtype },
+    /// A dimension does not fit MLX's 32-bit shapes.
+    #[error("{key:?} has shape {shape:?}, too large for MLX")]
+    ShapeTooLarge { key: String, shape: Vec<usize> },
+    /// LoRA sources were given to `bind` but the streamer has no fuser.
+    #[error("LoRA sources were passed to bind, but this streamer has no LoRA fuser")]
+    NoFuser,
+    /// A LoRA pair does not fit the weight it adapts.
+    #[error("block {block}: LoRA for {param:?}: {message}")]
+    Lora {
+        block: usize,
+        param: String,
+        message: String,
+    },
+    /// The streamer or source was closed.
+    #[error("{what} was closed")]
+    Closed { what: &'static str },
+    /// An MLX operation failed.
+    #[error("MLX: {0}")]
+    Mlx(#[from] mlx_rs::error::Exception),
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

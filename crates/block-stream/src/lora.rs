@@ -1,0 +1,298 @@
+//! Per-block LoRA sources and the fusers that apply them.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use mlx_rs::ops::{dequantize, quantize};
+use mlx_rs::{Array, Dtype};
+use st_mmap::{BlockPrefix, SafetensorsFile, TensorInfo};
+
+use crate::error::{Error, Result};
+use crate::mapped::{array_over, MappedRange, TensorAt};
+
+const A_SUFFIX: &str = ".lora_A.weight";
+const B_SUFFIX: &str = ".lora_B.weight";
+
+/// One LoRA pair of a block: `A` is (rank, in), `B` is (out, rank).
+#[derive(Debug)]
+pub struct LoraPair {
+    /// The adapted module, relative to the block (e.g. `attn.to_q`); the
+    /// weight it adapts is `{param}.weight`.
+    pub param: String,
+    /// Down projection, shape (rank, in).
+    pub a: Array,
+    /// Up projection, shape (out, rank).
+    pub b: Array,
+}
+
+/// LoRA A/B matrices from a safetensors file, indexed by block.
+///
+/// Keys (after the optional key mapper) of the form
+/// `{prefix}{i}.{param}.lora_A.weight` / `….lora_B.weight` form block `i`'s
+/// pair for `param`. Keys outside the prefix, other suffixes (e.g. `.alpha`)
+/// and unpaired halves are ignored. The arrays are zero-copy views of a
+/// private mapping of the file.
+#[derive(Debug)]
+pub struct BlockLoraSource {
+    path: PathBuf,
+    strength: f32,
+    /// Block → param → (key of A, key of B), keys as stored in the file.
+    pairs: BTreeMap<usize, BTreeMap<String, (String, String)>>,
+    file: Option<(SafetensorsFile, Arc<MappedRange>)>,
+}
+
+impl BlockLoraSource {
+    /// Opens `path` with keys already in the model's naming.
+    pub fn open(path: impl AsRef<Path>, block_prefix: &str, strength: f32) -> Result<Self> {
+        Self::open_with_mapper(path, block_prefix, strength, |k| Some(k.to_owned()))
+    }
+
+    /// Opens `path`, renaming each key with `key_mapper` first (e.g. from
+    /// diffusers/ComfyUI naming to the model's); `None` drops the key.
+    pub fn open_with_mapper(
+        path: impl AsRef<Path>,
+        block_prefix: &str,
+        strength: f32,
+        key_mapper: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let st = SafetensorsFile::open(&path)?;
+        let prefix = BlockPrefix::new(block_prefix);
+        let mut halves: BTreeMap<(usize, String), (Option<String>, Option<String>)> =
+            BTreeMap::new();
+        for info in st.header().tensors() {
+            let Some(mapped) = key_mapper(&info.name) else {
+                continue;
+            };
+            let Some((block, rest)) = prefix.parse(&mapped)? else {
+                continue;
+            };
+            if let Some(param) = rest.strip_suffix(A_SUFFIX) {
+                halves.entry((block, param.to_owned())).or_default().0 = Some(info.name.clone());
+            } else if let Some(param) = rest.strip_suffix(B_SUFFIX) {
+                halves.entry((block, param.to_owned())).or_default().1 = Some(info.name.clone());
+            }
+        }
+        let mut pairs: BTreeMap<usize, BTreeMap<String, (String, String)>> = BTreeMap::new();
+        for ((block, param), halves) in halves {
+            if let (Some(a), Some(b)) = halves {
+                pairs.entry(block).or_default().insert(param, (a, b));
+            }
+        }
+        let file = File::open(&path).map_err(|source| {
+            Error::Safetensors(st_mmap::Error::Io {
+                path: path.clone(),
+                source,
+            })
+        })?;
+        let range = MappedRange::map(&path, &file, 0, st.header().file_len() as u64)?;
+        Ok(BlockLoraSource {
+            path,
+            strength,
+            pairs,
+            file: Some((st, range)),
+        })
+    }
+
+    /// The scale applied to every delta.
+    pub fn strength(&self) -> f32 {
+        self.strength
+    }
+
+    /// The file this source reads.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether at least one complete A/B pair exists for block `idx`.
+    pub fn has_block(&self, idx: usize) -> bool {
+        self.file.is_some() && self.pairs.contains_key(&idx)
+    }
+
+    /// Block `idx`'s pairs, sorted by parameter.
+    pub fn pairs(&self, idx: usize) -> Result<Vec<LoraPair>> {
+        let (st, range) = self.file.as_ref().ok_or(Error::Closed {
+            what: "the LoRA source",
+        })?;
+        let Some(params) = self.pairs.get(&idx) else {
+            return Ok(Vec::new());
+        };
+        params
+            .iter()
+            .map(|(param, (a, b))| {
+                let load = |key: &str| -> Result<Array> {
+                    let info: &TensorInfo = st.header().tensor(key).expect("indexed key");
+                    let start = (st.header().data_start() + info.data_offsets.0) as u64;
+                    let tensor = TensorAt {
+                        key,
+                        dtype: info.dtype,
+                        shape: &info.shape,
+                        file_offset: start,
+                        len: info.byte_len(),
+                    };
+                    Ok(array_over(range, tensor)?.0)
+                };
+                Ok(LoraPair {
+                    param: param.clone(),
+                    a: load(a)?,
+                    b: load(b)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Block `idx`'s LoRA as `{param}.lora_A.weight` / `{param}.lora_B.weight`
+    /// → array, keys relative to the block (the reference's dict form).
+    pub fn block_lora(&self, idx: usize) -> Result<BTreeMap<String, Array>> {
+        let mut out = BTreeMap::new();
+        for pair in self.pairs(idx)? {
+            out.insert(format!("{}{A_SUFFIX}", pair.param), pair.a);
+            out.insert(format!("{}{B_SUFFIX}", pair.param), pair.b);
+        }
+        Ok(out)
+    }
+
+    /// Releases the mapping; the source is unusable afterwards.
+    pub fn close(&mut self) {
+        self.file = None;
+    }
+}
+
+/// Fuses LoRA into a block's weights as they are bound: a narrow plug-in
+/// point, implemented by the two fusers here and by any closure
+/// `Fn(usize, Vec<(String, Array)>, &[&BlockLoraSource]) -> Result<Vec<(String, Array)>>`.
+pub trait LoraFuser {
+    /// Returns `weights` (relative name → array) with the deltas of
+    /// `sources` (all of which have LoRA for `block`) applied.
+    fn fuse(
+        &self,
+        block: usize,
+        weights: Vec<(String, Array)>,
+        sources: &[&BlockLoraSource],
+    ) -> Result<Vec<(String, Array)>>;
+}
+
+impl<F> LoraFuser for F
+where
+    F: Fn(usize, Vec<(String, Array)>, &[&BlockLoraSource]) -> Result<Vec<(String, Array)>>,
+{
+    fn fuse(
+        &self,
+        block: usize,
+        weights: Vec<(String, Array)>,
+        sources: &[&BlockLoraSource],
+    ) -> Result<Vec<(String, Array)>> {
+        self(block, weights, sources)
+    }
+}
+
+/// `strength · B @ A` in f32, checked against the adapted weight's (out, in).
+fn delta(block: usize, pair: &LoraPair, strength: f32, out_in: (i32, i32)) -> Result<Array> {
+    let (a, b) = (pair.a.shape(), pair.b.shape());
+    let fits = a.len() == 2 && b.len() == 2 && b[1] == a[0] && b[0] == out_in.0 && a[1] == out_in.1;
+    if !fits {
+        return Err(Error::Lora {
+            block,
+            param: pair.param.clone(),
+            message: format!(
+                "A {a:?} (rank, in) and B {b:?} (out, rank) do not fit a weight of (out, in) = {:?}",
+                [out_in.0, out_in.1]
+            ),
+        });
+    }
+    let b = pair.b.as_dtype(Dtype::Float32)?;
+    let a = pair.a.as_dtype(Dtype::Float32)?;
+    Ok(b.matmul(&a)?.multiply(Array::from_f32(strength))?)
+}
+
+fn take(
+    weights: &mut Vec<(String, Array)>,
+    name: &str,
+    block: usize,
+    param: &str,
+) -> Result<Array> {
+    let at = weights
+        .iter()
+        .position(|(n, _)| n == name)
+        .ok_or_else(|| Error::Lora {
+            block,
+            param: param.to_owned(),
+            message: format!("the block has no {name:?} to adapt"),
+        })?;
+    Ok(weights.swap_remove(at).1)
+}
+
+/// Dense LoRA: `W' = W + strength · (B @ A)` for `A` (rank, in) and `B`
+/// (out, rank), the diffusers/ComfyUI layout, computed in f32 and cast back
+/// to `W`'s dtype. Several sources add up.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DenseLoraFuser;
+
+impl LoraFuser for DenseLoraFuser {
+    fn fuse(
+        &self,
+        block: usize,
+        mut weights: Vec<(String, Array)>,
+        sources: &[&BlockLoraSource],
+    ) -> Result<Vec<(String, Array)>> {
+        for source in sources {
+            for pair in source.pairs(block)? {
+                let name = format!("{}.weight", pair.param);
+                let w = take(&mut weights, &name, block, &pair.param)?;
+                let shape = w.shape();
+                if shape.len() != 2 {
+                    return Err(Error::Lora {
+                        block,
+                        param: pair.param.clone(),
+                        message: format!("{name:?} has shape {shape:?}, not a matrix"),
+                    });
+                }
+                let d = delta(block, &pair, source.strength(), (shape[0], shape[1]))?;
+                let fused = w.as_dtype(Dtype::Float32)?.add(&d)?.as_dtype(w.dtype())?;
+                weights.push((name, fused));
+            }
+        }
+        Ok(weights)
+    }
+}
+
+/// LoRA for blocks stored as MLX affine-quantized weights (`{param}.weight`
+/// packed uint32, `{param}.scales`, `{param}.biases`): dequantize, add the
+/// dense delta, requantize with the same group size and bits.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantizedLoraFuser {
+    /// Elements per quantization group (e.g. 64).
+    pub group_size: i32,
+    /// Bits per element (4 or 8).
+    pub bits: i32,
+}
+
+impl LoraFuser for QuantizedLoraFuser {
+    fn fuse(
+        &self,
+        block: usize,
+        mut weights: Vec<(String, Array)>,
+        sources: &[&BlockLoraSource],
+    ) -> Result<Vec<(String, Array)>> {
+        for source in sources {
+            for pair in source.pairs(block)? {
+                let names = ["weight", "scales", "biases"].map(|p| format!("{}.{p}", pair.param));
+                let w = take(&mut weights, &names[0], block, &pair.param)?;
+                let scales = take(&mut weights, &names[1], block, &pair.param)?;
+                let biases = take(&mut weights, &names[2], block, &pair.param)?;
+                let dense = dequantize(&w, &scales, &biases, self.group_size, self.bits)?;
+                let shape = dense.shape().to_vec();
+                let d = delta(block, &pair, source.strength(), (shape[0], shape[1]))?;
+                let fused = dense
+                    .as_dtype(Dtype::Float32)?
+                    .add(&d)?
+                    .as_dtype(scales.dtype())?;
+                let (qw, qs, qb) = quantize(&fused, self.group_size, self.bits)?;
+                weights.extend(names.into_iter().zip([qw, qs, qb]));
+            }
+        }
+        Ok(weights)
+    }
+}
