@@ -67,8 +67,11 @@ fn run() -> Result<()> {
                     &[],
                 )?;
             }
-            if !matches!(which, "all" | "matmul" | "codec") {
-                bail!("unknown benchmark {which:?}: use matmul, codec, or nothing for all");
+            if matches!(which, "all" | "stream") {
+                cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
+            }
+            if !matches!(which, "all" | "matmul" | "codec" | "stream") {
+                bail!("unknown benchmark {which:?}: use matmul, codec, stream, or nothing for all");
             }
             Ok(())
         }
@@ -77,7 +80,7 @@ fn run() -> Result<()> {
              commands:\n  \
              demo [ARGS]  run the end-to-end demo (the main job)\n  \
              test         formatting, lints and every test in the workspace\n  \
-             bench [matmul|codec]  run the benchmarks (all by default)\n  \
+             bench [matmul|codec|stream]  run the benchmarks (all by default)\n  \
              encode-adapter SRC [--out FILE.zst] [--level N]\n  \
              decode-adapter FILE.zst DST\n  \
              adapter-info FILE.zst\n  \

@@ -5,7 +5,7 @@ use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
-use memmap2::{Advice, MmapMut, MmapOptions};
+use memmap2::{MmapMut, MmapOptions};
 use mlx_rs::Array;
 use st_mmap::Dtype;
 
@@ -61,11 +61,6 @@ impl MappedRange {
             offset: start,
         }))
     }
-
-    /// Asks the OS to read the range ahead (a hint; errors are ignored).
-    pub(crate) fn prefetch(&self) {
-        let _ = self.map.advise(Advice::WillNeed);
-    }
 }
 
 fn mlx_dtype(dtype: Dtype) -> Option<mlx_sys::mlx_dtype> {
@@ -83,6 +78,27 @@ fn mlx_dtype(dtype: Dtype) -> Option<mlx_sys::mlx_dtype> {
         Dtype::U64 => mlx_sys::mlx_dtype__MLX_UINT64,
         Dtype::I64 => mlx_sys::mlx_dtype__MLX_INT64,
         Dtype::F64 => mlx_sys::mlx_dtype__MLX_FLOAT64,
+        Dtype::F8_E4M3 | Dtype::F8_E5M2 => return None,
+    })
+}
+
+/// The mlx-rs dtype a safetensors dtype becomes.
+pub(crate) fn mlx_dtype_of(dtype: Dtype) -> Option<mlx_rs::Dtype> {
+    use mlx_rs::Dtype as M;
+    Some(match dtype {
+        Dtype::BOOL => M::Bool,
+        Dtype::U8 => M::Uint8,
+        Dtype::I8 => M::Int8,
+        Dtype::U16 => M::Uint16,
+        Dtype::I16 => M::Int16,
+        Dtype::F16 => M::Float16,
+        Dtype::BF16 => M::Bfloat16,
+        Dtype::U32 => M::Uint32,
+        Dtype::I32 => M::Int32,
+        Dtype::F32 => M::Float32,
+        Dtype::U64 => M::Uint64,
+        Dtype::I64 => M::Int64,
+        Dtype::F64 => M::Float64,
         Dtype::F8_E4M3 | Dtype::F8_E5M2 => return None,
     })
 }

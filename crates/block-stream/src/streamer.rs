@@ -3,27 +3,25 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use mlx_rs::module::ModuleParameters;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use st_mmap::{BlockIndex, BlockPrefix, SafetensorsSet};
 
 use crate::error::{Error, Result};
 use crate::lora::{BlockLoraSource, LoraFuser};
-use crate::mapped::{array_over, MappedRange, TensorAt};
-
-/// The mappings that back one block's arrays, one per file it spans.
-type BlockMaps = Vec<(usize, Arc<MappedRange>)>;
+use crate::mapped::{array_over, mlx_dtype_of, MappedRange, TensorAt};
 
 /// Streams transformer blocks from memory-mapped safetensors into one shared
 /// block module.
 ///
-/// Each [`bind`](Self::bind) maps block `i`'s bytes (copy-on-write, lazily
-/// paged in), makes zero-copy MLX arrays over them and swaps them into the
-/// module. The streamer keeps no reference to a bound block's arrays, so when
-/// the module is rebound to the next block the previous arrays are freed and
-/// their mapping is unmapped: resident memory stays near one block.
+/// Each [`bind`](Self::bind) maps block `i`'s tensors one at a time
+/// (copy-on-write, lazily paged in), offers the bytes to MLX without copying
+/// and swaps each array into the module as soon as it exists. The streamer
+/// keeps no reference to a bound block's arrays, so the previous block's
+/// arrays are freed as they are replaced: resident memory stays near one
+/// block. Where MLX must copy (its CPU allocator), each tensor's mapping is
+/// released right after its copy.
 ///
 /// The memory-map contract of [`st_mmap::SafetensorsFile::open`] applies to
 /// every weights file: it must not change while the streamer or any array
@@ -35,7 +33,7 @@ pub struct BlockStreamer {
     index: BlockIndex,
     fuser: Option<Box<dyn LoraFuser>>,
     prefetch: bool,
-    prefetched: Option<(usize, BlockMaps)>,
+    prefetcher: Option<std::thread::JoinHandle<()>>,
     zero_copy: (usize, usize),
     closed: bool,
 }
@@ -94,7 +92,7 @@ impl BlockStreamer {
             index,
             fuser: None,
             prefetch: false,
-            prefetched: None,
+            prefetcher: None,
             zero_copy: (0, 0),
             closed: false,
         })
@@ -106,8 +104,10 @@ impl BlockStreamer {
         self
     }
 
-    /// When on, each `bind(i)` also maps block `i + 1` and asks the OS to
-    /// read it ahead, so that its I/O overlaps block `i`'s compute.
+    /// When on, each `bind(i)` starts a background thread that reads block
+    /// `i + 1`'s bytes into the OS page cache, so that its I/O overlaps block
+    /// `i`'s compute. (A plain reader thread rather than `madvise`, which
+    /// can block the caller while it queues the reads.)
     pub fn with_prefetch(mut self, on: bool) -> BlockStreamer {
         self.prefetch = on;
         self
@@ -151,10 +151,7 @@ impl BlockStreamer {
     /// A zero-copy array of any tensor, e.g. a non-block parameter.
     pub fn tensor(&mut self, key: &str) -> Result<Array> {
         self.check_open()?;
-        let file = self.file_index(key)?;
-        let (start, end) = self.byte_range(file, key);
-        let range = MappedRange::map(self.set.files()[file].path(), &self.files[file], start, end)?;
-        self.array(&range, file, key)
+        self.array(key)
     }
 
     fn check_open(&self) -> Result<()> {
@@ -194,14 +191,17 @@ impl BlockStreamer {
         )
     }
 
-    fn array(&mut self, range: &Arc<MappedRange>, file: usize, key: &str) -> Result<Array> {
+    /// An array of `key` over its own mapping of just its bytes.
+    fn array(&mut self, key: &str) -> Result<Array> {
+        let file = self.file_index(key)?;
+        let (start, end) = self.byte_range(file, key);
+        let range = MappedRange::map(self.set.files()[file].path(), &self.files[file], start, end)?;
         let info = self.set.files()[file]
             .header()
             .tensor(key)
             .expect("indexed");
-        let (start, end) = self.byte_range(file, key);
-        let (array, zero_copy) = array_over(
-            range,
+        let (array, in_place) = array_over(
+            &range,
             TensorAt {
                 key,
                 dtype: info.dtype,
@@ -210,13 +210,36 @@ impl BlockStreamer {
                 len: (end - start) as usize,
             },
         )?;
-        self.zero_copy.0 += usize::from(zero_copy);
+        self.zero_copy.0 += usize::from(in_place);
         self.zero_copy.1 += 1;
         Ok(array)
     }
 
-    /// Maps the smallest range of each file that holds all of block `idx`.
-    fn map_block(&self, idx: usize) -> Result<BlockMaps> {
+    /// The shape and MLX dtype `key` will have, from its header.
+    fn expected(&self, param: &str, key: &str) -> Result<(String, Vec<i32>, Dtype)> {
+        let file = self.file_index(key)?;
+        let info = self.set.files()[file]
+            .header()
+            .tensor(key)
+            .expect("indexed");
+        let dtype = mlx_dtype_of(info.dtype).ok_or_else(|| Error::UnsupportedDtype {
+            key: key.to_owned(),
+            dtype: info.dtype,
+        })?;
+        let shape = info
+            .shape
+            .iter()
+            .map(|&d| i32::try_from(d))
+            .collect::<Result<_, _>>()
+            .map_err(|_| Error::ShapeTooLarge {
+                key: key.to_owned(),
+                shape: info.shape.clone(),
+            })?;
+        Ok((param.to_owned(), shape, dtype))
+    }
+
+    /// For each file, the smallest byte range holding all of block `idx`.
+    fn block_spans(&self, idx: usize) -> Result<Vec<(usize, u64, u64)>> {
         let mut spans: HashMap<usize, (u64, u64)> = HashMap::new();
         for key in self.params(idx)?.values() {
             let file = self.file_index(key)?;
@@ -224,15 +247,29 @@ impl BlockStreamer {
             let span = spans.entry(file).or_insert((start, end));
             *span = (span.0.min(start), span.1.max(end));
         }
-        let mut maps: BlockMaps = spans
-            .into_iter()
-            .map(|(file, (start, end))| {
-                MappedRange::map(self.set.files()[file].path(), &self.files[file], start, end)
-                    .map(|m| (file, m))
-            })
-            .collect::<Result<_>>()?;
-        maps.sort_by_key(|(file, _)| *file);
-        Ok(maps)
+        let mut spans: Vec<_> = spans.into_iter().map(|(f, (s, e))| (f, s, e)).collect();
+        spans.sort_unstable();
+        Ok(spans)
+    }
+
+    /// Reads block `idx`'s bytes into the page cache on a background thread,
+    /// unless the previous read-ahead is still running.
+    fn prefetch(&mut self, idx: usize) -> Result<()> {
+        if self.prefetcher.as_ref().is_some_and(|h| !h.is_finished()) {
+            return Ok(());
+        }
+        let mut work = Vec::new();
+        for (file, start, end) in self.block_spans(idx)? {
+            if let Ok(handle) = self.files[file].try_clone() {
+                work.push((handle, start, end));
+            }
+        }
+        self.prefetcher = Some(std::thread::spawn(move || {
+            for (file, start, end) in work {
+                read_ahead(&file, start, end);
+            }
+        }));
+        Ok(())
     }
 
     /// Binds block `idx`'s weights into `block`'s parameters.
@@ -241,10 +278,10 @@ impl BlockStreamer {
     /// must match exactly in names, shapes and dtypes; otherwise nothing is
     /// changed and the error names the block and parameter.
     ///
-    /// `evict_previous` names the block bound before: anything the streamer
-    /// still holds for it (a prefetched mapping) is dropped and MLX's buffer
-    /// cache is cleared. Its weights themselves are freed as soon as nothing
-    /// references them, which is when this call replaces them in `block`.
+    /// `evict_previous` names the block bound before: its weights are freed
+    /// as this call replaces them in `block` (the streamer holds none), and
+    /// with `evict_previous` set MLX's buffer cache, where freed buffers
+    /// wait for reuse, is also returned to the OS.
     ///
     /// `lora_sources` are fused by the streamer's fuser (an error without
     /// one); sources without LoRA for this block are skipped.
@@ -260,46 +297,56 @@ impl BlockStreamer {
         if !lora_sources.is_empty() && self.fuser.is_none() {
             return Err(Error::NoFuser);
         }
-        if let Some(previous) = evict_previous {
-            if self
-                .prefetched
-                .as_ref()
-                .is_some_and(|(i, _)| *i == previous)
-            {
-                self.prefetched = None;
-            }
-            mlx_rs::memory::clear_cache()?;
-        }
-        let maps = match self.prefetched.take() {
-            Some((i, maps)) if i == idx => maps,
-            _ => self.map_block(idx)?,
-        };
-        let mut weights = Vec::with_capacity(params.len());
-        for (param, key) in &params {
-            let file = self.file_index(key)?;
-            let range = &maps.iter().find(|(f, _)| *f == file).expect("mapped").1;
-            weights.push((param.clone(), self.array(range, file, key)?));
-        }
-        drop(maps);
-
         let with_lora: Vec<&BlockLoraSource> = lora_sources
             .iter()
             .copied()
             .filter(|s| s.has_block(idx))
             .collect();
-        if let (Some(fuser), false) = (&self.fuser, with_lora.is_empty()) {
-            weights = fuser.fuse(idx, weights, &with_lora)?;
+        match (&self.fuser, with_lora.is_empty()) {
+            (Some(_), false) => {
+                // The fuser needs the whole block at once.
+                let mut weights = Vec::with_capacity(params.len());
+                for (param, key) in &params {
+                    weights.push((param.clone(), self.array(key)?));
+                }
+                let fuser = self.fuser.as_ref().expect("matched Some");
+                let weights = fuser.fuse(idx, weights, &with_lora)?;
+                let expected = weights
+                    .iter()
+                    .map(|(n, a)| (n.clone(), a.shape().to_vec(), a.dtype()))
+                    .collect();
+                check_against(block, idx, expected)?;
+                let mut slots = block.parameters_mut().flatten();
+                for (name, array) in weights {
+                    **slots.get_mut(name.as_str()).expect("checked") = array;
+                }
+            }
+            _ => {
+                // Checked from the headers first; then each array replaces
+                // its predecessor as soon as it exists, so the old and the
+                // new block are never resident together.
+                let expected = params
+                    .iter()
+                    .map(|(param, key)| self.expected(param, key))
+                    .collect::<Result<_>>()?;
+                check_against(block, idx, expected)?;
+                let mut slots = block.parameters_mut().flatten();
+                for (param, key) in &params {
+                    let array = self.array(key)?;
+                    **slots.get_mut(param.as_str()).expect("checked") = array;
+                }
+            }
         }
-        assign_strictly(block, idx, weights)?;
+        if evict_previous.is_some() {
+            // The previous block's buffers went to MLX's cache as they were
+            // replaced; give them back to the OS.
+            mlx_rs::memory::clear_cache()?;
+        }
 
         if self.prefetch {
             let next = self.index.blocks().find(|&b| b > idx);
             if let Some(next) = next {
-                let maps = self.map_block(next)?;
-                for (_, range) in &maps {
-                    range.prefetch();
-                }
-                self.prefetched = Some((next, maps));
+                self.prefetch(next)?;
             }
         }
         Ok(())
@@ -308,45 +355,88 @@ impl BlockStreamer {
     /// Releases the files and mappings; the streamer is unusable afterwards.
     /// Arrays already bound stay valid (they keep their own mapping alive).
     pub fn close(&mut self) {
-        self.prefetched = None;
+        self.prefetcher = None;
         self.files.clear();
         self.closed = true;
     }
 }
 
-/// Checks every weight against the module first, then assigns them all, so
-/// a failed bind leaves the module as it was.
-fn assign_strictly<M: ModuleParameters>(
+/// Brings bytes `start..end` of `file` into the page cache. On Linux the
+/// kernel does the reading (`POSIX_FADV_WILLNEED`), which costs this thread
+/// no copying; elsewhere the bytes are read into a scratch buffer.
+fn read_ahead(file: &File, start: u64, end: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid descriptor; the call only advises the kernel.
+        let done = unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                start as libc::off_t,
+                (end - start) as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        } == 0;
+        if done {
+            return;
+        }
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = start;
+    while at < end {
+        let want = buf.len().min((end - at) as usize);
+        match read_at(file, &mut buf[..want], at) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => at += n as u64,
+        }
+    }
+}
+
+/// Reads at an absolute offset without moving a shared cursor.
+#[cfg(unix)]
+fn read_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    std::os::unix::fs::FileExt::read_at(file, buf, offset)
+}
+
+#[cfg(windows)]
+fn read_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    std::os::windows::fs::FileExt::seek_read(file, buf, offset)
+}
+
+/// Checks that the module's parameters and `expected` (name, shape, dtype)
+/// match exactly, before anything is assigned.
+fn check_against<M: ModuleParameters>(
     block: &mut M,
     idx: usize,
-    weights: Vec<(String, Array)>,
+    expected: Vec<(String, Vec<i32>, Dtype)>,
 ) -> Result<()> {
-    let mut slots = block.parameters_mut().flatten();
-    let mut incoming: HashMap<String, Array> = weights.into_iter().collect();
-    let mut names: Vec<String> = slots.keys().map(|k| k.to_string()).collect();
+    let slots = block.parameters_mut().flatten();
+    let incoming: HashMap<String, (Vec<i32>, Dtype)> =
+        expected.into_iter().map(|(n, s, d)| (n, (s, d))).collect();
+    let mut names: Vec<&str> = slots.keys().map(|k| &**k).collect();
     names.sort();
-    for name in &names {
-        let Some(array) = incoming.get(name) else {
+    for name in names {
+        let Some((shape, dtype)) = incoming.get(name) else {
             return Err(Error::MissingParam {
                 block: idx,
-                param: name.clone(),
+                param: name.to_owned(),
             });
         };
-        let slot = &slots[name.as_str()];
-        if slot.shape() != array.shape() {
+        let slot = &slots[name];
+        if slot.shape() != shape.as_slice() {
             return Err(Error::ShapeMismatch {
                 block: idx,
-                param: name.clone(),
+                param: name.to_owned(),
                 expected: slot.shape().to_vec(),
-                actual: array.shape().to_vec(),
+                actual: shape.clone(),
             });
         }
-        if slot.dtype() != array.dtype() {
+        if slot.dtype() != *dtype {
             return Err(Error::DtypeMismatch {
                 block: idx,
-                param: name.clone(),
+                param: name.to_owned(),
                 expected: slot.dtype(),
-                actual: array.dtype(),
+                actual: *dtype,
             });
         }
     }
@@ -360,10 +450,6 @@ fn assign_strictly<M: ModuleParameters>(
             block: idx,
             param: (*param).clone(),
         });
-    }
-    for name in names {
-        let array = incoming.remove(&name).expect("checked above");
-        **slots.get_mut(name.as_str()).expect("checked above") = array;
     }
     Ok(())
 }

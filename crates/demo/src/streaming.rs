@@ -1,0 +1,204 @@
+//! Forward passes through a synthetic model three ways — all blocks loaded,
+//! streamed, streamed with prefetch — each in a fresh child process so that
+//! its peak RSS is its own.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use block_stream::{BlockStreamer, ProcessMemory};
+use mlx_rs::ops::indexing::IndexOp;
+
+use crate::synthetic::{Block, Spec, PREFIX};
+
+/// How the weights reach the blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Every block bound into its own module before the pass.
+    AllLoaded,
+    /// One module, rebound block by block, the previous one evicted.
+    Streamed,
+    /// As `Streamed`, with the next block read ahead.
+    Prefetched,
+}
+
+impl Mode {
+    /// All modes, in report order.
+    pub const ALL: [Mode; 3] = [Mode::AllLoaded, Mode::Streamed, Mode::Prefetched];
+
+    fn name(self) -> &'static str {
+        match self {
+            Mode::AllLoaded => "all-loaded",
+            Mode::Streamed => "streamed",
+            Mode::Prefetched => "prefetched",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Mode> {
+        Mode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .with_context(|| format!("unknown mode {s:?}"))
+    }
+}
+
+/// One pass, measured in its own process.
+#[derive(Debug, Clone)]
+pub struct PassReport {
+    /// How the weights were bound.
+    pub mode: Mode,
+    /// Seconds spent binding weights (all-loaded: before the pass).
+    pub bind_s: f64,
+    /// Seconds of the whole pass, binding included.
+    pub total_s: f64,
+    /// The process's peak RSS, bytes.
+    pub peak_rss: u64,
+    /// Sum of the final activation, to check that all modes agree.
+    pub checksum: f32,
+}
+
+impl PassReport {
+    /// Mode name for printing.
+    pub fn mode_name(&self) -> &'static str {
+        self.mode.name()
+    }
+}
+
+fn pass(path: &Path, spec: Spec, mode: Mode, rows: i32) -> Result<PassReport> {
+    let start = Instant::now();
+    let mut streamer = BlockStreamer::new([path], PREFIX)?.with_prefetch(mode == Mode::Prefetched);
+    // The non-block parameters stay resident in every mode, as in a model.
+    let embed = streamer.tensor("transformer.embed.weight")?;
+    let mut x = embed.index(0..rows);
+    x.eval()?;
+    let blocks = streamer.blocks();
+    let mut bind_s = 0.0;
+    match mode {
+        Mode::AllLoaded => {
+            let t = Instant::now();
+            let mut modules = Vec::with_capacity(blocks.len());
+            for &b in &blocks {
+                let mut m = Block::new(spec)?;
+                streamer.bind(&mut m, b, None, &[])?;
+                modules.push(m);
+            }
+            bind_s = t.elapsed().as_secs_f64();
+            for m in &modules {
+                x = m.forward(&x)?;
+                x.eval()?;
+            }
+        }
+        Mode::Streamed | Mode::Prefetched => {
+            let mut m = Block::new(spec)?;
+            let mut previous = None;
+            for &b in &blocks {
+                let t = Instant::now();
+                streamer.bind(&mut m, b, previous, &[])?;
+                bind_s += t.elapsed().as_secs_f64();
+                x = m.forward(&x)?;
+                x.eval()?;
+                previous = Some(b);
+            }
+        }
+    }
+    let checksum = x.sum(None)?;
+    checksum.eval()?;
+    let total_s = start.elapsed().as_secs_f64();
+    Ok(PassReport {
+        mode,
+        bind_s,
+        total_s,
+        peak_rss: ProcessMemory::read().peak_rss.unwrap_or(0),
+        checksum: checksum.item_exact::<f32>(),
+    })
+}
+
+/// The argument that makes a binary run one pass as a child.
+pub const CHILD_ARG: &str = "stream-pass";
+
+/// In a binary's `main`: when started as a child (`CHILD_ARG MODE PATH ROWS
+/// BLOCKS HIDDEN MLP VOCAB`), runs the pass, prints its report and returns
+/// true.
+pub fn child_main(args: &[String]) -> Result<bool> {
+    if args.first().map(String::as_str) != Some(CHILD_ARG) {
+        return Ok(false);
+    }
+    let [_, mode, path, rows, blocks, hidden, mlp, vocab] = args else {
+        bail!("{CHILD_ARG} MODE PATH ROWS BLOCKS HIDDEN MLP VOCAB");
+    };
+    let spec = Spec {
+        blocks: blocks.parse()?,
+        hidden: hidden.parse()?,
+        mlp: mlp.parse()?,
+        vocab: vocab.parse()?,
+    };
+    block_stream::use_device(block_stream::best_device())?;
+    let r = pass(Path::new(path), spec, Mode::parse(mode)?, rows.parse()?)?;
+    println!(
+        "{} {} {} {} {}",
+        r.mode.name(),
+        r.bind_s,
+        r.total_s,
+        r.peak_rss,
+        r.checksum
+    );
+    Ok(true)
+}
+
+/// Runs one pass with an activation of `rows` rows in a fresh child process
+/// (this same binary) and reads its report.
+pub fn measure(path: &Path, spec: Spec, mode: Mode, rows: usize) -> Result<PassReport> {
+    let out = Command::new(std::env::current_exe()?)
+        .arg(CHILD_ARG)
+        .arg(mode.name())
+        .arg(path)
+        .arg(rows.to_string())
+        .args([spec.blocks, spec.hidden, spec.mlp, spec.vocab].map(|n| n.to_string()))
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "{} pass failed: {}",
+            mode.name(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    let [_, bind_s, total_s, peak, checksum] = fields.as_slice() else {
+        bail!("unexpected report {line:?}");
+    };
+    Ok(PassReport {
+        mode,
+        bind_s: bind_s.parse()?,
+        total_s: total_s.parse()?,
+        peak_rss: peak.parse()?,
+        checksum: checksum.parse()?,
+    })
+}
+
+/// Drops `path` from the OS page cache so the next pass reads from disk.
+/// Linux only (posix_fadvise); returns false where it cannot.
+pub fn evict_from_page_cache(path: &Path) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let Ok(file) = std::fs::File::open(path) else {
+            return false;
+        };
+        // SAFETY: a valid open descriptor; the call only advises the kernel.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        false
+    }
+}
+
+/// Reads `path` once so the next pass finds it in the page cache.
+pub fn warm_page_cache(path: &Path) -> Result<()> {
+    let mut file = std::fs::File::open(path)?;
+    std::io::copy(&mut file, &mut std::io::sink())?;
+    Ok(())
+}
