@@ -149,7 +149,18 @@ pub fn child_main(args: &[String]) -> Result<bool> {
 /// Runs one pass with an activation of `rows` rows in a fresh child process
 /// (this same binary) and reads its report.
 pub fn measure(path: &Path, spec: Spec, mode: Mode, rows: usize) -> Result<PassReport> {
-    let out = Command::new(std::env::current_exe()?)
+    measure_with(&std::env::current_exe()?, path, spec, mode, rows)
+}
+
+/// [`measure`] with another binary whose `main` calls [`child_main`].
+pub fn measure_with(
+    exe: &Path,
+    path: &Path,
+    spec: Spec,
+    mode: Mode,
+    rows: usize,
+) -> Result<PassReport> {
+    let out = Command::new(exe)
         .arg(CHILD_ARG)
         .arg(mode.name())
         .arg(path)

@@ -155,3 +155,32 @@ fn index_routes_and_is_cross_checked() {
         Err(Error::InvalidIndex { .. })
     ));
 }
+
+mod block_keys {
+    use proptest::prelude::*;
+    use st_mmap::{BlockIndex, BlockPrefix};
+
+    proptest! {
+        #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Every key built from a prefix, block and parameter parses back to
+        /// the same block and parameter, and indexes under that block.
+        #[test]
+        fn built_keys_parse_back(prefix in "[a-z_.]{0,12}", block in 0usize..100_000, param in "[a-z][a-z0-9_.]{0,20}") {
+            let p = BlockPrefix::new(prefix);
+            let key = p.key(block, &param);
+            prop_assert_eq!(p.parse(&key).unwrap(), Some((block, param.as_str())));
+            let index = BlockIndex::build(&p, [key.as_str()]).unwrap();
+            prop_assert_eq!(index.params(block).unwrap().get(&param), Some(&key));
+        }
+
+        /// Block numbers with a leading zero, a sign or an underscore are
+        /// rejected rather than read as another block.
+        #[test]
+        fn non_canonical_numbers_are_rejected(block in 0usize..1000, junk in prop::sample::select(vec!["0", "+", "_", " "])) {
+            let p = BlockPrefix::new("layers.");
+            let key = format!("layers.{junk}{block}.w");
+            prop_assert!(p.parse(&key).is_err(), "{} accepted", key);
+        }
+    }
+}
