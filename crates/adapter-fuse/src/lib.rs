@@ -1,6 +1,142 @@
-//! Fuse a shipped LoRA adapter into a base model from the Hugging Face hub
-//! (`W' = W + (scale·Bᵀ)@Aᵀ`, requantizing quantized bases) and keep the result
-//! in the hub cache layout, keyed by the adapter's digest.
+//! Fuse a shipped LoRA adapter into a base model (`W' = W + (scale·Bᵀ)@Aᵀ`,
+//! requantizing quantized bases) and keep the result in the Hugging Face hub
+//! cache layout, keyed by the adapter's digest, so the next call is a hit.
 //!
 //! Why: an application ships a small adapter, not a fused model, and pays the
 //! fusing cost once per machine.
+//!
+//! ```no_run
+//! use adapter_codec::AdapterCodec;
+//!
+//! # fn main() -> Result<(), adapter_fuse::Error> {
+//! let codec = AdapterCodec::new("adapter/adapters.safetensors.zst", "adapter/adapter_config.json");
+//! let fused = adapter_fuse::ensure_fused("mlx-community/SmolLM2-135M-Instruct", &codec, "acme--fused")?;
+//! println!("fused model at {}", fused.display());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # The cache entry
+//!
+//! `{cache}/models--{namespace}-{digest}/snapshots/{digest}/` with
+//! `refs/main` = digest, where `{cache}` follows huggingface_hub's
+//! precedence (see [`hub_cache_root`]). The entry is built in a temporary
+//! folder inside the cache root, fsynced, renamed into place, and only then
+//! is `refs/main` written: a crash leaves no entry that counts as a hit. A
+//! lock file per entry (`{cache}/.locks/…`, an OS file lock that dies with
+//! its process) makes concurrent callers wait for one fuser and share its
+//! result.
+//!
+//! # Errors
+//!
+//! [`Error`] names the repo, file and key: an adapter key without a base
+//! weight, shapes that do not fit (with both shapes), a missing `scale`, an
+//! offline miss, a failed download.
+
+mod adapter;
+mod base;
+mod cache;
+mod error;
+mod fuse;
+
+use std::path::PathBuf;
+
+use adapter_codec::AdapterCodec;
+
+pub use cache::hub_cache_root;
+pub use error::{Error, Result};
+
+/// What [`ensure_fused_with_progress`] is doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FuseProgress {
+    /// The entry was already complete.
+    Hit,
+    /// Another process holds the entry's lock; waiting for it.
+    Waiting,
+    /// Downloading this file of the base model.
+    Downloading(String),
+    /// Fused `done` of `total` adapted modules.
+    Fusing { done: usize, total: usize },
+    /// The entry is published.
+    Published,
+}
+
+/// Returns the fused model's snapshot folder, fusing on a miss. See the
+/// crate docs for the cache layout and its guarantees.
+pub fn ensure_fused(
+    model_repo: &str,
+    codec: &AdapterCodec,
+    cache_namespace: &str,
+) -> Result<PathBuf> {
+    ensure_fused_with_progress(model_repo, codec, cache_namespace, |_| {})
+}
+
+/// [`ensure_fused`], reporting progress.
+pub fn ensure_fused_with_progress(
+    model_repo: &str,
+    codec: &AdapterCodec,
+    cache_namespace: &str,
+    mut progress: impl FnMut(FuseProgress),
+) -> Result<PathBuf> {
+    let root = hub_cache_root();
+    let entry = cache::Entry::new(&root, cache_namespace, &codec.digest()?)?;
+    if entry.is_complete() {
+        progress(FuseProgress::Hit);
+        return Ok(entry.snapshot());
+    }
+    let _lock = lock_entry(&root, &entry, &mut progress)?;
+    if entry.is_complete() {
+        // Another process fused it while we waited.
+        progress(FuseProgress::Hit);
+        return Ok(entry.snapshot());
+    }
+    let base = base::resolve(model_repo, &root, &mut |file| {
+        progress(FuseProgress::Downloading(file.to_owned()))
+    })?;
+    let work = tempfile::Builder::new()
+        .prefix(".fuse-")
+        .tempdir_in(&root)
+        .map_err(error::io(&root))?;
+    let adapter_dir = work.path().join("adapter");
+    std::fs::create_dir_all(&adapter_dir).map_err(error::io(&adapter_dir))?;
+    codec.decode(adapter_dir.join("adapters.safetensors"))?;
+    let config = adapter_dir.join("adapter_config.json");
+    std::fs::write(&config, codec.config_bytes()?).map_err(error::io(&config))?;
+    let built = work.path().join("snapshot");
+    fuse::fuse_model(&base, &adapter_dir, &built, &mut |done, total| {
+        progress(FuseProgress::Fusing { done, total })
+    })?;
+    cache::sync_dir(&built);
+    entry.publish(&built)?;
+    progress(FuseProgress::Published);
+    Ok(entry.snapshot())
+}
+
+/// Takes the entry's lock, waiting for another holder. The lock is an OS
+/// file lock, so a holder that dies releases it.
+fn lock_entry(
+    root: &std::path::Path,
+    entry: &cache::Entry,
+    progress: &mut dyn FnMut(FuseProgress),
+) -> Result<std::fs::File> {
+    let locks = root.join(".locks");
+    std::fs::create_dir_all(&locks).map_err(error::io(&locks))?;
+    let name = entry.folder.file_name().expect("entry folder name");
+    let path = locks.join(format!("{}.lock", name.to_string_lossy()));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(error::io(&path))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            progress(FuseProgress::Waiting);
+            file.lock().map_err(error::io(&path))?;
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(Error::Io { path, source: e }),
+    }
+    Ok(file)
+}

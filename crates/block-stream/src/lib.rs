@@ -33,6 +33,7 @@
 //! bind and leaves the module unchanged; LoRA sources without a fuser are an
 //! error, not silently ignored.
 
+mod bytes;
 mod device;
 mod error;
 mod lora;
@@ -40,6 +41,7 @@ mod mapped;
 mod memory;
 mod streamer;
 
+pub use bytes::{array_from_bytes, array_to_bytes};
 pub use device::{
     best_device, current_device, is_available, mlx_version, use_device, ComputeDevice, DeviceError,
 };

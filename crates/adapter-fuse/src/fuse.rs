@@ -1,0 +1,272 @@
+//! Fusing an adapter into a base model, shard by shard.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use block_stream::{array_from_bytes, array_to_bytes};
+use mlx_rs::ops::{dequantize, quantize};
+use mlx_rs::Array;
+use st_mmap::{SafetensorsFile, SafetensorsSet, TensorView};
+
+use crate::adapter::LoraAdapter;
+use crate::error::{io, Error, Result};
+
+/// MLX affine quantization of the base, from `config.json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Quantization {
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+fn quantization(config: &serde_json::Value) -> Option<Quantization> {
+    let q = config.get("quantization")?;
+    Some(Quantization {
+        group_size: q.get("group_size")?.as_i64()? as i32,
+        bits: q.get("bits")?.as_i64()? as i32,
+    })
+}
+
+fn array(view: &TensorView<'_>) -> Result<Array> {
+    array_from_bytes(view.name, view.dtype, view.shape, view.data).map_err(block_err)
+}
+
+/// What fusing one module produces: new bytes for some of its tensors.
+type Fused = HashMap<String, Vec<u8>>;
+
+/// `W + (scale · Bᵀ) @ Aᵀ`, in mlx_lm's order of operations and dtypes: the
+/// scaled `Bᵀ` and `Aᵀ` are cast to the weight's dtype before the product
+/// (quantized weights: dequantized to the scales' dtype, then requantized
+/// with the same group size and bits).
+fn fuse_module(
+    module: &str,
+    adapter: &LoraAdapter,
+    base: &SafetensorsSet,
+    quant: Option<Quantization>,
+) -> Result<Fused> {
+    let (a_key, b_key) = &adapter.pairs[module];
+    let a_view = adapter.file.tensor(a_key).expect("indexed");
+    let b_view = adapter.file.tensor(b_key).expect("indexed");
+    let weight_key = format!("{module}.weight");
+    let w_view = base
+        .tensor(&weight_key)
+        .ok_or_else(|| Error::NoBaseWeight {
+            key: a_key.clone(),
+            weight: weight_key.clone(),
+        })?;
+    let scales_key = format!("{module}.scales");
+    let biases_key = format!("{module}.biases");
+    let quantized = match (quant, base.tensor(&scales_key)) {
+        (Some(q), Some(scales)) => Some((q, scales, base.tensor(&biases_key))),
+        _ => None,
+    };
+    let (a, b) = (array(&a_view)?, array(&b_view)?);
+    let weight = array(&w_view)?;
+    let (dense, dtype) = match &quantized {
+        Some((q, scales, biases)) => {
+            let scales = array(scales)?;
+            let biases = biases.as_ref().map(array).transpose()?;
+            let dense = dequantize(&weight, &scales, biases.as_ref(), q.group_size, q.bits)?;
+            let dtype = scales.dtype();
+            (dense, dtype)
+        }
+        None => {
+            let dtype = weight.dtype();
+            (weight, dtype)
+        }
+    };
+    let (ash, bsh, wsh) = (
+        a.shape().to_vec(),
+        b.shape().to_vec(),
+        dense.shape().to_vec(),
+    );
+    let fits = ash.len() == 2
+        && bsh.len() == 2
+        && wsh.len() == 2
+        && ash[1] == bsh[0]
+        && ash[0] == wsh[1]
+        && bsh[1] == wsh[0];
+    if !fits {
+        return Err(Error::ShapeMismatch {
+            key: a_key.clone(),
+            weight: weight_key,
+            a: ash,
+            b: bsh,
+            base: wsh,
+        });
+    }
+    let scale = Array::from_f32(adapter.scale).as_dtype(b.dtype())?;
+    let lora_b = b.t().multiply(&scale)?.as_dtype(dtype)?;
+    let lora_a = a.t().as_dtype(dtype)?;
+    let fused = dense.add(lora_b.matmul(&lora_a)?)?;
+    let mut out = Fused::new();
+    match quantized {
+        Some((q, _, biases)) => {
+            let (qw, qs, qb) = quantize(&fused, q.group_size, q.bits)?;
+            out.insert(weight_key, array_to_bytes(&qw).map_err(block_err)?);
+            out.insert(scales_key, array_to_bytes(&qs).map_err(block_err)?);
+            if biases.is_some() {
+                out.insert(biases_key, array_to_bytes(&qb).map_err(block_err)?);
+            }
+        }
+        None => {
+            out.insert(weight_key, array_to_bytes(&fused).map_err(block_err)?);
+        }
+    }
+    Ok(out)
+}
+
+fn block_err(e: block_stream::Error) -> Error {
+    match e {
+        block_stream::Error::Mlx(e) => Error::Mlx(e),
+        other => Error::Tensor(other),
+    }
+}
+
+/// Writes one output shard: the base header verbatim, each tensor either
+/// copied from the map or replaced by its fused bytes (same dtype, shape and
+/// length, so the header stays valid).
+fn write_shard(
+    file: &SafetensorsFile,
+    out: &Path,
+    fused: &mut dyn FnMut(&str) -> Result<Option<Vec<u8>>>,
+) -> Result<()> {
+    let header = file.header();
+    let mut w = BufWriter::with_capacity(1 << 20, fs::File::create(out).map_err(io(out))?);
+    w.write_all(&file.bytes()[..header.data_start()])
+        .map_err(io(out))?;
+    for view in file.tensors() {
+        match fused(view.name)? {
+            Some(bytes) => {
+                assert_eq!(
+                    bytes.len(),
+                    view.data.len(),
+                    "{}: fused size differs",
+                    view.name
+                );
+                w.write_all(&bytes).map_err(io(out))?;
+            }
+            None => w.write_all(view.data).map_err(io(out))?,
+        }
+    }
+    let file = w.into_inner().map_err(|e| Error::Io {
+        path: out.to_path_buf(),
+        source: e.into_error(),
+    })?;
+    file.sync_all().map_err(io(out))
+}
+
+/// Fuses the adapter in `adapter_dir` into the model in `base_dir`, writing a
+/// complete model folder to `out`. `progress(done, total)` counts modules.
+pub(crate) fn fuse_model(
+    base_dir: &Path,
+    adapter_dir: &Path,
+    out: &Path,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<()> {
+    let config_path = base_dir.join("config.json");
+    let config_text = fs::read_to_string(&config_path).map_err(io(&config_path))?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&config_text).map_err(|e| Error::Json {
+            path: config_path.clone(),
+            message: e.to_string(),
+        })?;
+    let quant = quantization(&config);
+    let base = SafetensorsSet::open_dir(base_dir)?;
+    let adapter = LoraAdapter::open(adapter_dir)?;
+
+    // Which module each base tensor belongs to, for the tensors fusing touches.
+    let mut touched: HashMap<String, String> = HashMap::new();
+    for module in adapter.pairs.keys() {
+        let weight = format!("{module}.weight");
+        if base.tensor(&weight).is_none() {
+            return Err(Error::NoBaseWeight {
+                key: adapter.pairs[module].0.clone(),
+                weight,
+            });
+        }
+        for suffix in ["weight", "scales", "biases"] {
+            touched.insert(format!("{module}.{suffix}"), module.clone());
+        }
+    }
+    fs::create_dir_all(out).map_err(io(out))?;
+    let total = adapter.pairs.len();
+    let mut done = 0;
+    let mut pending: HashMap<String, Vec<u8>> = HashMap::new();
+    let mut weight_map = BTreeMap::new();
+    let mut total_size = 0u64;
+    for file in base.files() {
+        let name = file.path().file_name().expect("a file").to_owned();
+        let target = out.join(&name);
+        write_shard(file, &target, &mut |key| {
+            if let Some(bytes) = pending.remove(key) {
+                return Ok(Some(bytes));
+            }
+            let Some(module) = touched.get(key) else {
+                return Ok(None);
+            };
+            let mut fused = fuse_module(module, &adapter, &base, quant)?;
+            done += 1;
+            progress(done, total);
+            let mine = fused.remove(key);
+            pending.extend(fused);
+            Ok(mine)
+        })?;
+        for info in file.header().tensors() {
+            weight_map.insert(info.name.clone(), name.to_string_lossy().into_owned());
+            total_size += info.byte_len() as u64;
+        }
+    }
+    // Every fused tensor must have been written: a module's tensors are all
+    // fused when the first of them is reached, and the rest are written
+    // from `pending` when their turn comes.
+    if let Some(key) = pending.keys().next() {
+        return Err(Error::Adapter {
+            path: base_dir.to_path_buf(),
+            message: format!("fused {key:?} but the base has no place for it"),
+        });
+    }
+
+    let index =
+        serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});
+    let index_path = out.join(st_mmap::INDEX_FILE);
+    fs::write(
+        &index_path,
+        serde_json::to_vec_pretty(&index).expect("json"),
+    )
+    .map_err(io(&index_path))?;
+    if let Some(q) = config.get("quantization").cloned() {
+        config["quantization_config"] = q;
+    }
+    let out_config = out.join("config.json");
+    fs::write(
+        &out_config,
+        serde_json::to_vec_pretty(&config).expect("json"),
+    )
+    .map_err(io(&out_config))?;
+    copy_other_files(base_dir, out)
+}
+
+/// Copies everything else a loader needs (tokenizer, generation config, chat
+/// template, …), following the cache's symlinks to real files.
+fn copy_other_files(base_dir: &Path, out: &Path) -> Result<()> {
+    for entry in fs::read_dir(base_dir).map_err(io(base_dir))?.flatten() {
+        let name = entry.file_name();
+        let text = name.to_string_lossy();
+        let skip = text.ends_with(".safetensors")
+            || text == st_mmap::INDEX_FILE
+            || text == "config.json"
+            || text.starts_with('.');
+        let path = entry.path();
+        if skip || !path.is_file() {
+            continue;
+        }
+        let target = out.join(&name);
+        fs::copy(&path, &target).map_err(io(&path))?;
+        fs::File::open(&target)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&target))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,587 @@
+//! ensure_fused against a hub cache laid out as Python leaves it, with the
+//! fused weights checked against values computed here.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use adapter_codec::AdapterCodec;
+use adapter_fuse::{ensure_fused, ensure_fused_with_progress, Error, FuseProgress};
+use half::bf16;
+use mlx_rs::Array;
+use st_mmap::SafetensorsFile;
+
+const REPO: &str = "org/base";
+const NS: &str = "org--fused";
+const IN: usize = 64;
+const OUT: usize = 32;
+const RANK: usize = 4;
+const SCALE: f32 = 2.0;
+const Q: &str = "model.layers.0.self_attn.q_proj";
+
+fn values(seed: u32, n: usize, amplitude: f32) -> Vec<f32> {
+    (0..n)
+        .map(|k| {
+            (((k as u32).wrapping_mul(2654435761u32) ^ seed) % 1000) as f32 / 1000.0
+                * 2.0
+                * amplitude
+                - amplitude
+        })
+        .collect()
+}
+
+/// Puts `files` into `root` as huggingface_hub does: content in `blobs/`,
+/// relative symlinks in `snapshots/{rev}/`, the revision in `refs/main`.
+fn put_in_hub_cache(root: &Path, repo: &str, files: &[(&str, Vec<u8>)]) {
+    let folder = root.join(format!("models--{}", repo.replace('/', "--")));
+    let rev = "0123456789abcdef0123456789abcdef01234567";
+    std::fs::create_dir_all(folder.join("blobs")).unwrap();
+    std::fs::create_dir_all(folder.join("snapshots").join(rev)).unwrap();
+    std::fs::create_dir_all(folder.join("refs")).unwrap();
+    for (i, (name, bytes)) in files.iter().enumerate() {
+        let blob = format!("blob{i:04}");
+        std::fs::write(folder.join("blobs").join(&blob), bytes).unwrap();
+        std::os::unix::fs::symlink(
+            format!("../../blobs/{blob}"),
+            folder.join("snapshots").join(rev).join(name),
+        )
+        .unwrap();
+    }
+    std::fs::write(folder.join("refs/main"), rev).unwrap();
+}
+
+fn safetensors_bytes(tensors: &[(&str, safetensors::Dtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(k, d, s, b)| {
+            (
+                k.to_string(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize(views, None).unwrap()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The adapter: `Q.lora_a` (IN, RANK) and `Q.lora_b` (RANK, OUT), f32.
+fn adapter(dir: &Path, config: &str) -> (AdapterCodec, Vec<f32>, Vec<f32>) {
+    let a = values(11, IN * RANK, 0.5);
+    let b = values(12, RANK * OUT, 0.5);
+    let bytes = safetensors_bytes(&[
+        (
+            &format!("{Q}.lora_a"),
+            safetensors::Dtype::F32,
+            vec![IN, RANK],
+            f32_bytes(&a),
+        ),
+        (
+            &format!("{Q}.lora_b"),
+            safetensors::Dtype::F32,
+            vec![RANK, OUT],
+            f32_bytes(&b),
+        ),
+    ]);
+    std::fs::write(dir.join("adapters.safetensors"), bytes).unwrap();
+    std::fs::write(dir.join("adapter_config.json"), config).unwrap();
+    let codec = AdapterCodec::new(
+        dir.join("adapters.safetensors.zst"),
+        dir.join("adapter_config.json"),
+    );
+    codec.encode(dir.join("adapters.safetensors")).unwrap();
+    (codec, a, b)
+}
+
+const CONFIG: &str = r#"{"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}"#;
+
+/// `(scale · Bᵀ) @ Aᵀ`, shape (OUT, IN), in f64.
+fn delta(a: &[f32], b: &[f32]) -> Vec<f64> {
+    let mut d = vec![0.0f64; OUT * IN];
+    for o in 0..OUT {
+        for i in 0..IN {
+            d[o * IN + i] = (0..RANK)
+                .map(|r| f64::from(SCALE * b[r * OUT + o]) * f64::from(a[i * RANK + r]))
+                .sum();
+        }
+    }
+    d
+}
+
+fn read_f32(file: &SafetensorsFile, key: &str) -> Vec<f32> {
+    file.tensor(key)
+        .unwrap()
+        .data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    adapter_dir: PathBuf,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("hub");
+    let adapter_dir = dir.path().join("adapter");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::create_dir_all(&adapter_dir).unwrap();
+    // SAFETY of the process environment: each test runs in its own process
+    // under nextest (and one at a time under the fallback runner).
+    std::env::set_var("HF_HUB_CACHE", &root);
+    std::env::remove_var("HF_HUB_OFFLINE");
+    Setup {
+        _dir: dir,
+        root,
+        adapter_dir,
+    }
+}
+
+fn dense_base(root: &Path) -> (Vec<f32>, Vec<f32>) {
+    let w = values(1, OUT * IN, 1.0);
+    let bias = values(2, OUT, 1.0);
+    let weights = safetensors_bytes(&[
+        (
+            &format!("{Q}.weight"),
+            safetensors::Dtype::F32,
+            vec![OUT, IN],
+            f32_bytes(&w),
+        ),
+        (
+            &format!("{Q}.bias"),
+            safetensors::Dtype::F32,
+            vec![OUT],
+            f32_bytes(&bias),
+        ),
+        (
+            "model.norm.weight",
+            safetensors::Dtype::F32,
+            vec![IN],
+            f32_bytes(&values(3, IN, 1.0)),
+        ),
+    ]);
+    put_in_hub_cache(
+        root,
+        REPO,
+        &[
+            ("config.json", br#"{"model_type": "llama"}"#.to_vec()),
+            ("model.safetensors", weights),
+            ("tokenizer.json", b"{}".to_vec()),
+            ("generation_config.json", br#"{"eos_token_id": 2}"#.to_vec()),
+        ],
+    );
+    (w, bias)
+}
+
+#[test]
+fn dense_f32_fuse_then_hit() {
+    let s = setup();
+    let (w, bias) = dense_base(&s.root);
+    let (codec, a, b) = adapter(&s.adapter_dir, CONFIG);
+    let digest = codec.digest().unwrap();
+
+    let mut events = Vec::new();
+    let path = ensure_fused_with_progress(REPO, &codec, NS, |e| events.push(e)).unwrap();
+    let entry = s.root.join(format!("models--{NS}-{digest}"));
+    assert_eq!(path, entry.join("snapshots").join(&digest));
+    assert_eq!(
+        std::fs::read_to_string(entry.join("refs/main")).unwrap(),
+        digest
+    );
+    assert!(
+        events.contains(&FuseProgress::Fusing { done: 1, total: 1 })
+            && events.contains(&FuseProgress::Published)
+    );
+
+    let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
+    let d = delta(&a, &b);
+    for (k, (got, base)) in read_f32(&fused, &format!("{Q}.weight"))
+        .iter()
+        .zip(&w)
+        .enumerate()
+    {
+        let want = f64::from(*base) + d[k];
+        assert!(
+            (f64::from(*got) - want).abs() < 1e-5,
+            "element {k}: {got} vs {want}"
+        );
+    }
+    assert_eq!(
+        read_f32(&fused, &format!("{Q}.bias")),
+        bias,
+        "the bias is kept"
+    );
+    for file in [
+        "tokenizer.json",
+        "generation_config.json",
+        "config.json",
+        "model.safetensors.index.json",
+    ] {
+        assert!(
+            path.join(file).is_file(),
+            "{file} missing from the fused model"
+        );
+    }
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(path.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        index["weight_map"][format!("{Q}.weight")],
+        "model.safetensors"
+    );
+
+    let mut events = Vec::new();
+    assert_eq!(
+        ensure_fused_with_progress(REPO, &codec, NS, |e| events.push(e)).unwrap(),
+        path
+    );
+    assert_eq!(events, [FuseProgress::Hit]);
+}
+
+#[test]
+fn bf16_base_is_fused_in_its_dtype() {
+    let s = setup();
+    let w: Vec<bf16> = values(1, OUT * IN, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let wb: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let weights = safetensors_bytes(&[(
+        &format!("{Q}.weight"),
+        safetensors::Dtype::BF16,
+        vec![OUT, IN],
+        wb,
+    )]);
+    put_in_hub_cache(
+        &s.root,
+        REPO,
+        &[
+            ("config.json", b"{}".to_vec()),
+            ("model.safetensors", weights),
+        ],
+    );
+    let (codec, a, b) = adapter(&s.adapter_dir, CONFIG);
+    let path = ensure_fused(REPO, &codec, NS).unwrap();
+    let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
+    let view = fused.tensor(&format!("{Q}.weight")).unwrap();
+    assert_eq!(view.dtype, st_mmap::Dtype::BF16);
+    let got: Vec<f32> = view
+        .data
+        .chunks_exact(2)
+        .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
+    let d = delta(&a, &b);
+    for (k, g) in got.iter().enumerate() {
+        let want = f64::from(w[k].to_f32()) + d[k];
+        // bf16 keeps 8 significant bits; the delta is also formed in bf16.
+        assert!(
+            (f64::from(*g) - want).abs() <= 0.02 * want.abs().max(1.0),
+            "element {k}: {g} vs {want}"
+        );
+    }
+}
+
+fn quantized_case(bits: i32) {
+    let s = setup();
+    let group = 32;
+    let w = values(5, OUT * IN, 1.0);
+    let (qw, qs, qb) =
+        mlx_rs::ops::quantize(Array::from_slice(&w, &[OUT as i32, IN as i32]), group, bits)
+            .unwrap();
+    let file = s.root.join("q.safetensors");
+    let arrays = [
+        (format!("{Q}.weight"), &qw),
+        (format!("{Q}.scales"), &qs),
+        (format!("{Q}.biases"), &qb),
+    ];
+    Array::save_safetensors(arrays.iter().map(|(k, v)| (k.as_str(), *v)), None, &file).unwrap();
+    let config = format!(
+        r#"{{"model_type": "llama", "quantization": {{"group_size": {group}, "bits": {bits}}}}}"#
+    );
+    put_in_hub_cache(
+        &s.root,
+        REPO,
+        &[
+            ("config.json", config.into_bytes()),
+            ("model.safetensors", std::fs::read(&file).unwrap()),
+        ],
+    );
+    let (codec, a, b) = adapter(&s.adapter_dir, CONFIG);
+    let path = ensure_fused(REPO, &codec, NS).unwrap();
+
+    let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
+    let load = |key: &str| {
+        let v = fused.tensor(key).unwrap();
+        block_stream::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap()
+    };
+    let (fw, fs, fb) = (
+        load(&format!("{Q}.weight")),
+        load(&format!("{Q}.scales")),
+        load(&format!("{Q}.biases")),
+    );
+    assert_eq!(fw.shape(), qw.shape());
+    let deq = |w: &Array, s: &Array, b: &Array| {
+        let d = mlx_rs::ops::dequantize(w, s, b, group, bits).unwrap();
+        d.eval().unwrap();
+        d.as_slice::<f32>().to_vec()
+    };
+    let before = deq(&qw, &qs, &qb);
+    let after = deq(&fw, &fs, &fb);
+    fs.eval().unwrap();
+    let steps = fs.as_slice::<f32>().to_vec();
+    let d = delta(&a, &b);
+    for k in 0..OUT * IN {
+        let want = f64::from(before[k]) + d[k];
+        let step = f64::from(steps[k / group as usize].abs());
+        assert!(
+            (f64::from(after[k]) - want).abs() <= step + 1e-6,
+            "{bits}-bit element {k}: {} vs {want}",
+            after[k]
+        );
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(path.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["quantization_config"], config["quantization"]);
+}
+
+#[test]
+fn quantized_4bit_base_is_dequantized_fused_and_requantized() {
+    quantized_case(4);
+}
+
+#[test]
+fn quantized_8bit_base_is_dequantized_fused_and_requantized() {
+    quantized_case(8);
+}
+
+#[test]
+fn half_written_entry_is_not_a_hit() {
+    let s = setup();
+    dense_base(&s.root);
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let digest = codec.digest().unwrap();
+    // What a crash between the snapshot rename and refs/main would leave.
+    let snapshot = s
+        .root
+        .join(format!("models--{NS}-{digest}/snapshots/{digest}"));
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::write(snapshot.join("config.json"), "{}").unwrap();
+    let mut events = Vec::new();
+    let path = ensure_fused_with_progress(REPO, &codec, NS, |e| events.push(e)).unwrap();
+    assert!(events.contains(&FuseProgress::Published), "{events:?}");
+    assert!(path.join("model.safetensors").is_file());
+    // No temporary folders remain in the cache root.
+    let leftovers: Vec<_> = std::fs::read_dir(&s.root)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".fuse-"))
+        .collect();
+    assert!(leftovers.is_empty());
+}
+
+#[test]
+fn adapter_key_without_base_weight_is_named() {
+    let s = setup();
+    let weights = safetensors_bytes(&[(
+        "model.other.weight",
+        safetensors::Dtype::F32,
+        vec![2],
+        f32_bytes(&[1.0, 2.0]),
+    )]);
+    put_in_hub_cache(
+        &s.root,
+        REPO,
+        &[
+            ("config.json", b"{}".to_vec()),
+            ("model.safetensors", weights),
+        ],
+    );
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let err = ensure_fused(REPO, &codec, NS).unwrap_err();
+    assert!(
+        matches!(&err, Error::NoBaseWeight { weight, .. } if weight == &format!("{Q}.weight")),
+        "{err}"
+    );
+}
+
+#[test]
+fn shape_mismatch_names_both_shapes() {
+    let s = setup();
+    let weights = safetensors_bytes(&[(
+        &format!("{Q}.weight"),
+        safetensors::Dtype::F32,
+        vec![OUT, IN + 1],
+        f32_bytes(&vec![0.0; OUT * (IN + 1)]),
+    )]);
+    put_in_hub_cache(
+        &s.root,
+        REPO,
+        &[
+            ("config.json", b"{}".to_vec()),
+            ("model.safetensors", weights),
+        ],
+    );
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let err = ensure_fused(REPO, &codec, NS).unwrap_err();
+    assert!(
+        matches!(&err, Error::ShapeMismatch { a, b, base, .. } if a == &[IN as i32, RANK as i32] && b == &[RANK as i32, OUT as i32] && base == &[OUT as i32, IN as i32 + 1]),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_scale_is_an_error() {
+    let s = setup();
+    dense_base(&s.root);
+    let (codec, _, _) = adapter(
+        &s.adapter_dir,
+        r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 4}}"#,
+    );
+    let err = ensure_fused(REPO, &codec, NS).unwrap_err();
+    assert!(
+        matches!(&err, Error::Adapter { message, .. } if message.contains("scale")),
+        "{err}"
+    );
+}
+
+#[test]
+fn offline_miss_is_an_error_not_a_download() {
+    let s = setup();
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let err = ensure_fused("org/not-cached", &codec, NS).unwrap_err();
+    assert!(
+        matches!(&err, Error::Offline { repo, .. } if repo == "org/not-cached"),
+        "{err}"
+    );
+}
+
+/// Not a test on its own: the body of the child processes below.
+#[test]
+fn child_fuse_entrypoint() {
+    let Ok(root) = std::env::var("FUSE_CHILD_ROOT") else {
+        return;
+    };
+    std::env::set_var("HF_HUB_CACHE", &root);
+    let adapter_dir = PathBuf::from(std::env::var("FUSE_CHILD_ADAPTER").unwrap());
+    let codec = AdapterCodec::new(
+        adapter_dir.join("adapters.safetensors.zst"),
+        adapter_dir.join("adapter_config.json"),
+    );
+    let mut events = Vec::new();
+    let path = ensure_fused_with_progress(REPO, &codec, NS, |e| events.push(e)).unwrap();
+    println!("PATH {}", path.display());
+    println!("PUBLISHED {}", events.contains(&FuseProgress::Published));
+}
+
+#[test]
+fn concurrent_processes_fuse_once_and_share_the_result() {
+    let s = setup();
+    dense_base(&s.root);
+    adapter(&s.adapter_dir, CONFIG);
+    let spawn = || {
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_fuse_entrypoint",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("FUSE_CHILD_ROOT", &s.root)
+            .env("FUSE_CHILD_ADAPTER", &s.adapter_dir)
+            .output()
+            .unwrap()
+    };
+    let (first, second) = std::thread::scope(|scope| {
+        let a = scope.spawn(spawn);
+        let b = scope.spawn(spawn);
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let report = |o: &std::process::Output| {
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "{text}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let field = |name: &str| {
+            let line = text
+                .lines()
+                .find_map(|l| l.split_once(name).map(|(_, rest)| rest));
+            line.unwrap_or_else(|| panic!("no {name} line in the child's output:\n{text}"))
+                .trim()
+                .to_owned()
+        };
+        (field("PATH "), field("PUBLISHED "))
+    };
+    let (p1, pub1) = report(&first);
+    let (p2, pub2) = report(&second);
+    assert_eq!(p1, p2);
+    let published: HashMap<&str, usize> =
+        [pub1.as_str(), pub2.as_str()]
+            .iter()
+            .fold(HashMap::new(), |mut m, p| {
+                *m.entry(*p).or_default() += 1;
+                m
+            });
+    assert_eq!(
+        published.get("true"),
+        Some(&1),
+        "exactly one process fuses: {pub1} {pub2}"
+    );
+}
+
+/// Not a test on its own: a child that takes a lock and waits to be killed.
+#[test]
+fn child_lock_holder() {
+    let Ok(path) = std::env::var("LOCK_HOLDER_PATH") else {
+        return;
+    };
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    file.lock().unwrap();
+    println!("LOCKED");
+    std::io::Write::flush(&mut std::io::stdout()).unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(60));
+}
+
+#[test]
+fn a_lock_left_by_a_killed_process_does_not_block() {
+    use std::io::BufRead;
+    let s = setup();
+    dense_base(&s.root);
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let digest = codec.digest().unwrap();
+    let lock = s
+        .root
+        .join(".locks")
+        .join(format!("models--{NS}-{digest}.lock"));
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    std::fs::write(&lock, b"").unwrap();
+    let mut holder = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_lock_holder",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LOCK_HOLDER_PATH", &lock)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = holder.stdout.take().unwrap();
+    let locked = std::io::BufReader::new(stdout)
+        .lines()
+        .any(|l| l.unwrap().contains("LOCKED"));
+    assert!(locked, "the holder never took the lock");
+    // The holder dies without releasing anything itself.
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    let path = ensure_fused(REPO, &codec, NS).unwrap();
+    assert!(path.join("model.safetensors").is_file());
+}
