@@ -151,8 +151,9 @@ fn cxx_present() -> bool {
 }
 
 /// Python packages the interop tests compare against (the reference's own
-/// libraries), pinned.
-const INTEROP_PACKAGES: &[&str] = &["zstandard==0.25.0"];
+/// libraries), pinned: zstandard for the codec, MLX (the same 0.32.2 as our
+/// build) and mlx-lm for fusing parity.
+const INTEROP_PACKAGES: &[&str] = &["zstandard==0.25.0", "mlx[cpu]==0.32.2", "mlx-lm==0.31.3"];
 
 /// Makes a virtual environment under `target/` with the interop packages and
 /// returns its python, so that interop tests run rather than skip. Python
@@ -162,7 +163,10 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
     let venv = Path::new("target/interop-venv");
     let python = venv.join("bin/python3");
     let stamp = venv.join("installed.txt");
-    let wanted = INTEROP_PACKAGES.join("\n");
+    // Bit-exact comparisons need the same BLAS on both sides (matmul
+    // rounding depends on it), so the venv's MLX gets what our build uses.
+    let blas = interop_blas();
+    let wanted = format!("{}\nblas={blas}", INTEROP_PACKAGES.join("\n"));
     if std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) && python.exists() {
         return std::fs::canonicalize(python).ok();
     }
@@ -185,6 +189,49 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
         eprintln!("xtask: warning: could not set up the Python interop environment; interop tests will skip");
         return None;
     }
+    if blas == "openblas" {
+        swap_venv_blas(venv);
+    }
     std::fs::write(&stamp, wanted).ok()?;
     std::fs::canonicalize(python).ok()
+}
+
+/// The BLAS our MLX build links (see crates/mlx-sys/build/plan.rs).
+fn interop_blas() -> &'static str {
+    let forced_reference = std::env::var("MLX_BLAS").is_ok_and(|v| v.trim() == "reference");
+    if openblas_present() && !forced_reference {
+        "openblas"
+    } else {
+        "reference"
+    }
+}
+
+/// Points the venv's bundled BLAS/LAPACK at Debian's OpenBLAS, as the
+/// mlx-sys build script does for our own MLX.
+fn swap_venv_blas(venv: &Path) {
+    let Ok(libs) = std::fs::read_dir(venv.join("lib")) else {
+        return;
+    };
+    for python in libs.flatten() {
+        let dir = python.path().join("site-packages/mlx_cpu.libs");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let target = if name.starts_with("libblas-") {
+                "libblas.so.3"
+            } else if name.starts_with("liblapack-") {
+                "liblapack.so.3"
+            } else {
+                continue;
+            };
+            let _ = std::fs::remove_file(entry.path());
+            #[cfg(unix)]
+            let _ = std::os::unix::fs::symlink(
+                Path::new("/usr/lib/x86_64-linux-gnu/openblas-pthread").join(target),
+                entry.path(),
+            );
+        }
+    }
 }

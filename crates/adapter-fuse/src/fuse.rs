@@ -35,10 +35,11 @@ fn array(view: &TensorView<'_>) -> Result<Array> {
 /// What fusing one module produces: new bytes for some of its tensors.
 type Fused = HashMap<String, Vec<u8>>;
 
-/// `W + (scale · Bᵀ) @ Aᵀ`, in mlx_lm's order of operations and dtypes: the
-/// scaled `Bᵀ` and `Aᵀ` are cast to the weight's dtype before the product
-/// (quantized weights: dequantized to the scales' dtype, then requantized
-/// with the same group size and bits).
+/// `W + ((scale · Bᵀ) @ Aᵀ).astype(W's dtype)`, in mlx_lm's order of
+/// operations and dtypes (`LoRALinear.fuse` in mlx_lm 0.31): the product is
+/// formed in the adapter's dtype and only the delta is cast. Quantized
+/// weights are dequantized (to the scales' dtype), fused, and requantized
+/// with the same group size and bits.
 fn fuse_module(
     module: &str,
     adapter: &LoraAdapter,
@@ -96,10 +97,10 @@ fn fuse_module(
             base: wsh,
         });
     }
+    // A Python float times an array takes the array's dtype.
     let scale = Array::from_f32(adapter.scale).as_dtype(b.dtype())?;
-    let lora_b = b.t().multiply(&scale)?.as_dtype(dtype)?;
-    let lora_a = a.t().as_dtype(dtype)?;
-    let fused = dense.add(lora_b.matmul(&lora_a)?)?;
+    let delta = b.t().multiply(&scale)?.matmul(a.t())?.as_dtype(dtype)?;
+    let fused = dense.add(&delta)?;
     let mut out = Fused::new();
     match quantized {
         Some((q, _, biases)) => {
