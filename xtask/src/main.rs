@@ -70,8 +70,14 @@ fn run() -> Result<()> {
             if matches!(which, "all" | "stream") {
                 cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
             }
-            if !matches!(which, "all" | "matmul" | "codec" | "stream") {
-                bail!("unknown benchmark {which:?}: use matmul, codec, stream, or nothing for all");
+            if matches!(which, "all" | "fuse") {
+                cargo(
+                    &["bench", "--package", "adapter-fuse", "--bench", "fuse"],
+                    &[],
+                )?;
+            }
+            if !matches!(which, "all" | "matmul" | "codec" | "stream" | "fuse") {
+                bail!("unknown benchmark {which:?}: use matmul, codec, stream, fuse, or nothing for all");
             }
             Ok(())
         }
@@ -80,7 +86,7 @@ fn run() -> Result<()> {
              commands:\n  \
              demo [ARGS]  run the end-to-end demo (the main job)\n  \
              test         formatting, lints and every test in the workspace\n  \
-             bench [matmul|codec|stream]  run the benchmarks (all by default)\n  \
+             bench [matmul|codec|stream|fuse]  run the benchmarks (all by default)\n  \
              encode-adapter SRC [--out FILE.zst] [--level N]\n  \
              decode-adapter FILE.zst DST\n  \
              adapter-info FILE.zst\n  \

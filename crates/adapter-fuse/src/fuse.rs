@@ -32,6 +32,20 @@ fn array(view: &TensorView<'_>) -> Result<Array> {
     array_from_bytes(view.name, view.dtype, view.shape, view.data).map_err(block_err)
 }
 
+/// An array of a base tensor, read with positioned reads instead of through
+/// the map, so its pages do not stay in the resident set (see `write_shard`).
+fn read_array(base: &SafetensorsSet, view: &TensorView<'_>) -> Result<Array> {
+    let file = base
+        .mapped_file_of(view.name)
+        .expect("the view came from the set");
+    let info = file.header().tensor(view.name).expect("indexed");
+    let offset = (file.header().data_start() + info.data_offsets.0) as u64;
+    let mut bytes = vec![0u8; info.byte_len()];
+    let source = fs::File::open(file.path()).map_err(io(file.path()))?;
+    read_exact_at(&source, &mut bytes, offset).map_err(io(file.path()))?;
+    array_from_bytes(view.name, view.dtype, view.shape, &bytes).map_err(block_err)
+}
+
 /// What fusing one module produces: new bytes for some of its tensors.
 type Fused = HashMap<String, Vec<u8>>;
 
@@ -63,11 +77,11 @@ fn fuse_module(
         _ => None,
     };
     let (a, b) = (array(&a_view)?, array(&b_view)?);
-    let weight = array(&w_view)?;
+    let weight = read_array(base, &w_view)?;
     let (dense, dtype) = match &quantized {
         Some((q, scales, biases)) => {
-            let scales = array(scales)?;
-            let biases = biases.as_ref().map(array).transpose()?;
+            let scales = read_array(base, scales)?;
+            let biases = biases.as_ref().map(|v| read_array(base, v)).transpose()?;
             let dense = dequantize(&weight, &scales, biases.as_ref(), q.group_size, q.bits)?;
             let dtype = scales.dtype();
             (dense, dtype)
@@ -126,29 +140,46 @@ fn block_err(e: block_stream::Error) -> Error {
 }
 
 /// Writes one output shard: the base header verbatim, each tensor either
-/// copied from the map or replaced by its fused bytes (same dtype, shape and
-/// length, so the header stays valid).
+/// copied from the base file or replaced by its fused bytes (same dtype,
+/// shape and length, so the header stays valid).
+///
+/// Untouched tensors are copied with positioned reads rather than through
+/// the map: mapped pages that were read stay in this process's resident set
+/// until the map goes, so copying a model through its map would make the
+/// process as large as the model.
 fn write_shard(
     file: &SafetensorsFile,
     out: &Path,
     fused: &mut dyn FnMut(&str) -> Result<Option<Vec<u8>>>,
 ) -> Result<()> {
     let header = file.header();
+    let source = fs::File::open(file.path()).map_err(io(file.path()))?;
     let mut w = BufWriter::with_capacity(1 << 20, fs::File::create(out).map_err(io(out))?);
     w.write_all(&file.bytes()[..header.data_start()])
         .map_err(io(out))?;
-    for view in file.tensors() {
-        match fused(view.name)? {
+    let mut chunk = vec![0u8; 1 << 20];
+    for info in header.tensors() {
+        match fused(&info.name)? {
             Some(bytes) => {
                 assert_eq!(
                     bytes.len(),
-                    view.data.len(),
+                    info.byte_len(),
                     "{}: fused size differs",
-                    view.name
+                    info.name
                 );
                 w.write_all(&bytes).map_err(io(out))?;
             }
-            None => w.write_all(view.data).map_err(io(out))?,
+            None => {
+                let mut at = (header.data_start() + info.data_offsets.0) as u64;
+                let mut left = info.byte_len();
+                while left > 0 {
+                    let n = left.min(chunk.len());
+                    read_exact_at(&source, &mut chunk[..n], at).map_err(io(file.path()))?;
+                    w.write_all(&chunk[..n]).map_err(io(out))?;
+                    at += n as u64;
+                    left -= n;
+                }
+            }
         }
     }
     let file = w.into_inner().map_err(|e| Error::Io {
@@ -156,6 +187,25 @@ fn write_shard(
         source: e.into_error(),
     })?;
     file.sync_all().map_err(io(out))
+}
+
+#[cfg(unix)]
+fn read_exact_at(file: &fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+}
+
+#[cfg(windows)]
+fn read_exact_at(file: &fs::File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match std::os::windows::fs::FileExt::seek_read(file, buf, offset)? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => {
+                buf = &mut buf[n..];
+                offset += n as u64;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Fuses the adapter in `adapter_dir` into the model in `base_dir`, writing a

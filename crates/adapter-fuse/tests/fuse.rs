@@ -585,3 +585,40 @@ fn a_lock_left_by_a_killed_process_does_not_block() {
     let path = ensure_fused(REPO, &codec, NS).unwrap();
     assert!(path.join("model.safetensors").is_file());
 }
+
+/// Python's huggingface_hub resolves our entry as repo `org/fused-{digest}`
+/// without network: the layout is the same contract.
+#[test]
+fn huggingface_hub_resolves_the_fused_entry() {
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python)
+        .args(["-c", "import huggingface_hub"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIP huggingface_hub_resolves_the_fused_entry: {python} lacks huggingface_hub");
+        return;
+    }
+    let s = setup();
+    dense_base(&s.root);
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let path = ensure_fused(REPO, &codec, NS).unwrap();
+    let digest = codec.digest().unwrap();
+    let script = "import sys; from huggingface_hub import snapshot_download; \
+                  print(snapshot_download(sys.argv[1], cache_dir=sys.argv[2], local_files_only=True))";
+    let out = Command::new(&python)
+        .args(["-c", script, &format!("org/fused-{digest}")])
+        .arg(&s.root)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resolved = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert_eq!(
+        resolved.canonicalize().unwrap(),
+        path.canonicalize().unwrap()
+    );
+}

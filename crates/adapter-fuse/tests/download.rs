@@ -1,0 +1,181 @@
+//! Downloading a base model through hf-hub from a hub lookalike on loopback
+//! (`HF_ENDPOINT`), then reusing it from the cache with `HF_HUB_OFFLINE=1`.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use adapter_codec::AdapterCodec;
+
+const REPO: &str = "org/remote-base";
+const SHA: &str = "feedfacefeedfacefeedfacefeedfacefeedface";
+const MODULE: &str = "model.layers.0.self_attn.v_proj";
+
+/// Serves `files` for `REPO` the way the hub's HTTP API does, for the two
+/// endpoints hf-hub uses: repo info, and ranged file downloads. Counts the
+/// requests it answers. Loopback only; it stops with the test process.
+fn serve(files: HashMap<String, Vec<u8>>) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&hits);
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(200) {
+            let Ok(mut stream) = stream else { continue };
+            counter.fetch_add(1, Ordering::SeqCst);
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut request = String::new();
+            reader.read_line(&mut request).unwrap();
+            let mut range = None;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap() == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("range: bytes=") {
+                    let (a, b) = v.trim().split_once('-').unwrap();
+                    range = Some((a.parse::<usize>().unwrap(), b.parse::<usize>().ok()));
+                }
+            }
+            let path = request.split_whitespace().nth(1).unwrap_or("/").to_owned();
+            let info_path = format!("/api/models/{REPO}/revision/main");
+            let file_prefix = format!("/{REPO}/resolve/main/");
+            let (status, headers, body): (&str, Vec<String>, Vec<u8>) = if path == info_path {
+                let siblings: Vec<_> = files
+                    .keys()
+                    .map(|f| serde_json::json!({"rfilename": f}))
+                    .collect();
+                let body = serde_json::json!({"sha": SHA, "siblings": siblings})
+                    .to_string()
+                    .into_bytes();
+                (
+                    "200 OK",
+                    vec!["Content-Type: application/json".into()],
+                    body,
+                )
+            } else if let Some(bytes) = path.strip_prefix(&file_prefix).and_then(|f| files.get(f)) {
+                let (a, b) = range.unwrap_or((0, None));
+                let b = b.unwrap_or(bytes.len() - 1).min(bytes.len() - 1);
+                let headers = vec![
+                    format!("ETag: \"{:x}\"", bytes.len() * 7919 + a),
+                    format!("X-Repo-Commit: {SHA}"),
+                    format!("Content-Range: bytes {a}-{b}/{}", bytes.len()),
+                ];
+                ("206 Partial Content", headers, bytes[a..=b].to_vec())
+            } else {
+                ("404 Not Found", vec![], b"not found".to_vec())
+            };
+            let mut response = format!(
+                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n",
+                body.len()
+            );
+            for h in headers {
+                response.push_str(&h);
+                response.push_str("\r\n");
+            }
+            response.push_str("\r\n");
+            let _ = stream.write_all(response.as_bytes());
+            let _ = stream.write_all(&body);
+            let _ = reader.read(&mut [0u8; 0]);
+        }
+    });
+    (endpoint, hits)
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn tensors(list: &[(&str, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
+    let bytes: Vec<Vec<u8>> = list.iter().map(|(_, _, v)| f32_bytes(v)).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = list
+        .iter()
+        .zip(&bytes)
+        .map(|((k, s, _), b)| {
+            (
+                k.to_string(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize(views, None).unwrap()
+}
+
+fn codec(dir: &std::path::Path, scale: f32) -> AdapterCodec {
+    std::fs::create_dir_all(dir).unwrap();
+    let bytes = tensors(&[
+        (&format!("{MODULE}.lora_a"), vec![4, 2], vec![0.5; 8]),
+        (&format!("{MODULE}.lora_b"), vec![2, 3], vec![0.25; 6]),
+    ]);
+    std::fs::write(dir.join("adapters.safetensors"), bytes).unwrap();
+    std::fs::write(
+        dir.join("adapter_config.json"),
+        format!(r#"{{"lora_parameters": {{"rank": 2, "scale": {scale}}}}}"#),
+    )
+    .unwrap();
+    let codec = AdapterCodec::new(dir.join("a.zst"), dir.join("adapter_config.json"));
+    codec.encode(dir.join("adapters.safetensors")).unwrap();
+    codec
+}
+
+#[test]
+fn base_is_downloaded_once_then_used_offline() {
+    let weights = tensors(&[(&format!("{MODULE}.weight"), vec![3, 4], vec![1.0; 12])]);
+    let files: HashMap<String, Vec<u8>> = [
+        (
+            "config.json".to_owned(),
+            br#"{"model_type": "llama"}"#.to_vec(),
+        ),
+        ("model.safetensors".to_owned(), weights),
+        ("tokenizer.json".to_owned(), b"{}".to_vec()),
+        ("pytorch_model.bin".to_owned(), b"not needed".to_vec()),
+    ]
+    .into_iter()
+    .collect();
+    let (endpoint, hits) = serve(files);
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("hub");
+    std::fs::create_dir_all(&root).unwrap();
+    std::env::set_var("HF_HUB_CACHE", &root);
+    std::env::set_var("HF_ENDPOINT", &endpoint);
+    std::env::remove_var("HF_HUB_OFFLINE");
+
+    let fused = adapter_fuse::ensure_fused(REPO, &codec(&dir.path().join("a1"), 1.0), "org--fused")
+        .unwrap();
+    assert!(hits.load(Ordering::SeqCst) > 0, "nothing was downloaded");
+    let base = root.join("models--org--remote-base");
+    assert_eq!(
+        std::fs::read_to_string(base.join("refs/main"))
+            .unwrap()
+            .trim(),
+        SHA
+    );
+    let snapshot = base.join("snapshots").join(SHA);
+    assert!(
+        snapshot.join("model.safetensors").is_file() && snapshot.join("tokenizer.json").is_file()
+    );
+    assert!(
+        !snapshot.join("pytorch_model.bin").exists(),
+        "only loader files are fetched"
+    );
+    // W = 1 everywhere; delta = scale · Bᵀ @ Aᵀ = 1 · (rank 2 × 0.25 × 0.5) = 0.25.
+    let out = st_mmap::SafetensorsFile::open(fused.join("model.safetensors")).unwrap();
+    let w = out.tensor(&format!("{MODULE}.weight")).unwrap();
+    assert!(w
+        .data
+        .chunks_exact(4)
+        .all(|c| f32::from_le_bytes(c.try_into().unwrap()) == 1.25));
+
+    // A second adapter: the base comes from the cache, with the hub forbidden.
+    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let before = hits.load(Ordering::SeqCst);
+    adapter_fuse::ensure_fused(REPO, &codec(&dir.path().join("a2"), 3.0), "org--fused").unwrap();
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        before,
+        "offline must not touch the network"
+    );
+}
