@@ -94,8 +94,12 @@ pub fn ensure_fused_with_progress(
     let base = base::resolve(model_repo, &root, &mut |file| {
         progress(FuseProgress::Downloading(file.to_owned()))
     })?;
+    // Holding the lock, any `.fuse-{digest}-*` folder is a killed
+    // predecessor's work: nobody else builds this digest now.
+    let prefix = format!(".fuse-{}-", entry.digest);
+    remove_leftovers(&root, &prefix);
     let work = tempfile::Builder::new()
-        .prefix(".fuse-")
+        .prefix(&prefix)
         .tempdir_in(&root)
         .map_err(error::io(&root))?;
     let adapter_dir = work.path().join("adapter");
@@ -111,6 +115,17 @@ pub fn ensure_fused_with_progress(
     entry.publish(&built)?;
     progress(FuseProgress::Published);
     Ok(entry.snapshot())
+}
+
+fn remove_leftovers(root: &std::path::Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(prefix) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Takes the entry's lock, waiting for another holder. The lock is an OS

@@ -179,3 +179,24 @@ fn base_is_downloaded_once_then_used_offline() {
         "offline must not touch the network"
     );
 }
+
+#[test]
+fn unknown_repo_is_a_download_error() {
+    let (endpoint, _) = serve(HashMap::new());
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("hub");
+    std::fs::create_dir_all(&root).unwrap();
+    std::env::set_var("HF_HUB_CACHE", &root);
+    std::env::set_var("HF_ENDPOINT", &endpoint);
+    std::env::remove_var("HF_HUB_OFFLINE");
+    let err = adapter_fuse::ensure_fused(
+        "org/missing",
+        &codec(&dir.path().join("a"), 1.0),
+        "org--fused",
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, adapter_fuse::Error::Download { repo, .. } if repo == "org/missing"),
+        "{err}"
+    );
+}

@@ -385,6 +385,42 @@ fn half_written_entry_is_not_a_hit() {
 }
 
 #[test]
+fn leftovers_of_a_killed_fuse_are_cleared() {
+    let s = setup();
+    dense_base(&s.root);
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let digest = codec.digest().unwrap();
+    // What a fuse killed mid-way leaves: its work folder, and no entry.
+    let stale = s.root.join(format!(".fuse-{digest}-killed"));
+    std::fs::create_dir_all(stale.join("snapshot")).unwrap();
+    std::fs::write(stale.join("snapshot/model.safetensors"), b"half").unwrap();
+    let path = ensure_fused(REPO, &codec, NS).unwrap();
+    assert!(!stale.exists(), "the stale work folder is removed");
+    assert!(SafetensorsFile::open(path.join("model.safetensors")).is_ok());
+}
+
+#[test]
+fn corrupt_adapter_is_a_codec_error_and_leaves_no_entry() {
+    let s = setup();
+    dense_base(&s.root);
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let zst = codec.zst_path().to_path_buf();
+    let mut bytes = std::fs::read(&zst).unwrap();
+    let cut = bytes.len() / 2;
+    bytes.truncate(cut);
+    std::fs::write(&zst, bytes).unwrap();
+    let err = ensure_fused(REPO, &codec, NS).unwrap_err();
+    assert!(matches!(err, Error::Codec(_)), "{err}");
+    let entries: Vec<_> = std::fs::read_dir(&s.root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("models--org--fused") || n.starts_with(".fuse-"))
+        .collect();
+    assert!(entries.is_empty(), "left behind: {entries:?}");
+}
+
+#[test]
 fn adapter_key_without_base_weight_is_named() {
     let s = setup();
     let weights = safetensors_bytes(&[(
