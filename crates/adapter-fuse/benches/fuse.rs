@@ -1,8 +1,11 @@
-//! Peak memory and time of fusing (`cargo xtask bench fuse`).
+//! Peak memory and time of fusing (`cargo xtask bench fuse`), ours and
+//! `mlx_lm fuse`'s on the same inputs in the same run.
 //!
-//! A generated f32 base of 16 layers (q/k/v/o 1024², MLP 4096×1024), 805 MB
-//! in two shards, and a rank-16 adapter on q, v and down of every layer.
-//! The fuse runs in a fresh child process whose peak RSS (VmHWM) is its own.
+//! A generated f32 llama base (16 layers, hidden 1024, MLP 4096, vocab
+//! 32000; 1.2 GB in two shards) and a rank-16 adapter on q, v and down of
+//! every layer. Each fuse runs in a fresh process whose peak RSS is its own.
+//! mlx_lm runs from the Python `cargo xtask test` sets up
+//! (`target/interop-venv`) or `MLX_LOWMEM_PYTHON`; without it only ours runs.
 
 use std::io::Write;
 use std::path::Path;
@@ -15,6 +18,7 @@ const LAYERS: usize = 16;
 const HIDDEN: usize = 1024;
 const MLP: usize = 4096;
 const RANK: usize = 16;
+const VOCAB: usize = 32000;
 
 fn modules() -> Vec<(&'static str, usize, usize)> {
     vec![
@@ -22,6 +26,7 @@ fn modules() -> Vec<(&'static str, usize, usize)> {
         ("self_attn.k_proj", HIDDEN, HIDDEN),
         ("self_attn.v_proj", HIDDEN, HIDDEN),
         ("self_attn.o_proj", HIDDEN, HIDDEN),
+        ("mlp.gate_proj", MLP, HIDDEN),
         ("mlp.up_proj", MLP, HIDDEN),
         ("mlp.down_proj", HIDDEN, MLP),
     ]
@@ -49,7 +54,11 @@ fn write_file(path: &Path, tensors: &[(String, Vec<usize>)], amplitude: f32) {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
-            let v = ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amplitude;
+            let v = if amplitude == 0.0 {
+                1.0
+            } else {
+                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amplitude
+            };
             out.write_all(&v.to_le_bytes()).unwrap();
         }
     }
@@ -60,27 +69,54 @@ fn generate(base: &Path, adapter: &Path) {
     std::fs::create_dir_all(base).unwrap();
     std::fs::create_dir_all(adapter).unwrap();
     for shard in 0..2 {
-        let tensors: Vec<(String, Vec<usize>)> = (shard * LAYERS / 2..(shard + 1) * LAYERS / 2)
+        let mut tensors: Vec<(String, Vec<usize>)> = (shard * LAYERS / 2..(shard + 1) * LAYERS / 2)
             .flat_map(|l| {
                 modules()
                     .into_iter()
                     .map(move |(m, o, i)| (format!("model.layers.{l}.{m}.weight"), vec![o, i]))
             })
             .collect();
+        if shard == 0 {
+            tensors.push(("model.embed_tokens.weight".into(), vec![VOCAB, HIDDEN]));
+        }
         write_file(
             &base.join(format!("model-0000{}-of-00002.safetensors", shard + 1)),
             &tensors,
             0.05,
         );
     }
-    std::fs::write(base.join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
+    // Norm weights of 1.0 keep the model well-behaved.
+    let norms: Vec<(String, Vec<usize>)> = (0..LAYERS)
+        .flat_map(|l| {
+            ["input_layernorm", "post_attention_layernorm"]
+                .map(|n| (format!("model.layers.{l}.{n}.weight"), vec![HIDDEN]))
+        })
+        .chain([("model.norm.weight".to_owned(), vec![HIDDEN])])
+        .collect();
+    write_ones(&base.join("model-norms.safetensors"), &norms);
+    let config = serde_json::json!({
+        "model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": MLP,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
+        "rope_theta": 10000.0, "tie_word_embeddings": true
+    });
+    std::fs::write(base.join("config.json"), config.to_string()).unwrap();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"<unk>": 0}, "unk_token": "<unk>"}
+    });
+    std::fs::write(base.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    std::fs::write(
+        base.join("tokenizer_config.json"),
+        r#"{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<unk>"}"#,
+    )
+    .unwrap();
+    let adapted = ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"];
     let lora: Vec<(String, Vec<usize>)> = (0..LAYERS)
         .flat_map(|l| {
             modules()
                 .into_iter()
-                .filter(|(m, _, _)| {
-                    m.ends_with("q_proj") || m.ends_with("v_proj") || m.ends_with("down_proj")
-                })
+                .filter(|(m, _, _)| adapted.contains(m))
                 .flat_map(move |(m, o, i)| {
                     [
                         (format!("model.layers.{l}.{m}.lora_a"), vec![i, RANK]),
@@ -90,9 +126,13 @@ fn generate(base: &Path, adapter: &Path) {
         })
         .collect();
     write_file(&adapter.join("adapters.safetensors"), &lora, 0.01);
+    let adapter_config = serde_json::json!({
+        "fine_tune_type": "lora", "num_layers": LAYERS,
+        "lora_parameters": {"rank": RANK, "scale": 20.0, "dropout": 0.0, "keys": adapted}
+    });
     std::fs::write(
         adapter.join("adapter_config.json"),
-        r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 16, "scale": 20.0}}"#,
+        adapter_config.to_string(),
     )
     .unwrap();
     AdapterCodec::new(adapter.join("a.zst"), adapter.join("adapter_config.json"))
@@ -100,6 +140,11 @@ fn generate(base: &Path, adapter: &Path) {
         .unwrap()
         .encode(adapter.join("adapters.safetensors"))
         .unwrap();
+}
+
+/// A file of f32 tensors that are all 1.0.
+fn write_ones(path: &Path, tensors: &[(String, Vec<usize>)]) {
+    write_file(path, tensors, 0.0);
 }
 
 fn peak_rss_kib() -> u64 {
@@ -130,7 +175,14 @@ fn main() {
     generate(&base, &adapter);
     std::fs::create_dir_all(&hub).unwrap();
     let size = |p: &Path| std::fs::metadata(p).unwrap().len() as f64 / 1e6;
-    let shard = size(&base.join("model-00001-of-00002.safetensors"));
+    let shards = [1, 2].map(|i| size(&base.join(format!("model-0000{i}-of-00002.safetensors"))));
+    println!(
+        "base: llama, {LAYERS} layers, {:.0} MB in shards of {:.0} and {:.0} MB (+ norms); adapter {:.1} MB on q, v, down",
+        shards[0] + shards[1],
+        shards[0],
+        shards[1],
+        size(&adapter.join("adapters.safetensors"))
+    );
     let out = Command::new(std::env::current_exe().unwrap())
         .arg("child")
         .arg(&base)
@@ -143,19 +195,52 @@ fn main() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut fields = text.split_whitespace();
-    let seconds: f64 = fields.next().unwrap().parse().unwrap();
-    let kib: f64 = fields.next().unwrap().parse().unwrap();
-    let modified_per_shard =
-        (LAYERS / 2) as f64 * (2 * HIDDEN * HIDDEN + HIDDEN * MLP) as f64 * 4.0 / 1e6;
+    let (seconds, kib) = two_numbers(&String::from_utf8_lossy(&out.stdout));
     println!(
-        "base {:.0} MB in 2 shards of {shard:.0} MB ({modified_per_shard:.0} MB of adapted weights per shard); adapter {:.1} MB",
-        2.0 * shard,
-        size(&adapter.join("adapters.safetensors"))
-    );
-    println!(
-        "fuse: {seconds:.2} s, peak RSS {:.0} MB",
+        "ours:   {seconds:6.2} s, peak RSS {:6.0} MB",
         kib * 1024.0 / 1e6
     );
+
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/interop-venv/bin/python3")
+            .display()
+            .to_string()
+    });
+    // mlx_lm's own fuse, timed and measured inside its process.
+    let script = "import resource, runpy, sys, time\n\
+                  t = time.time()\n\
+                  sys.argv = ['fuse', '--model', sys.argv[1], '--adapter-path', sys.argv[2], '--save-path', sys.argv[3]]\n\
+                  runpy.run_module('mlx_lm.fuse', run_name='__main__')\n\
+                  print(time.time() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)";
+    let theirs = Command::new(&python)
+        .args(["-c", script])
+        .arg(&base)
+        .arg(&adapter)
+        .arg(work.path().join("mlx_lm_fused"))
+        .output();
+    match theirs {
+        Ok(out) if out.status.success() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let last = text.lines().last().unwrap_or_default();
+            let (seconds, kib) = two_numbers(last);
+            println!(
+                "mlx_lm: {seconds:6.2} s, peak RSS {:6.0} MB",
+                kib * 1024.0 / 1e6
+            );
+        }
+        Ok(out) => println!(
+            "mlx_lm fuse failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => println!("mlx_lm fuse not run: no Python at {python} ({e})"),
+    }
+}
+
+fn two_numbers(text: &str) -> (f64, f64) {
+    let mut fields = text.split_whitespace();
+    (
+        fields.next().unwrap().parse().unwrap(),
+        fields.next().unwrap().parse().unwrap(),
+    )
 }
