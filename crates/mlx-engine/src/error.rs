@@ -1,0 +1,47 @@
+//! The crate's error type.
+
+use std::path::PathBuf;
+
+/// Errors from loading and running models.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Reading a model file failed.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `config.json` is missing a field or has a wrong one.
+    #[error("{path}: {message}")]
+    Config { path: PathBuf, message: String },
+    /// The model's architecture is not implemented here.
+    #[error("model_type {model_type:?} is not supported; supported: {supported:?}")]
+    UnsupportedArchitecture {
+        model_type: String,
+        supported: &'static [&'static str],
+    },
+    /// A weight the architecture needs is not in the files.
+    #[error("weight {key:?} is missing")]
+    MissingWeight { key: String },
+    /// A weight has the wrong shape for the config.
+    #[error("weight {key:?} has shape {actual:?}, expected {expected:?}")]
+    WeightShape {
+        key: String,
+        expected: Vec<i32>,
+        actual: Vec<i32>,
+    },
+    /// A weights file is invalid.
+    #[error(transparent)]
+    Safetensors(#[from] st_mmap::Error),
+    /// A tensor could not become an MLX array.
+    #[error(transparent)]
+    Tensor(#[from] block_stream::Error),
+    /// An MLX operation failed.
+    #[error("MLX: {0}")]
+    Mlx(#[from] mlx_rs::error::Exception),
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

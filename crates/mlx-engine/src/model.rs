@@ -1,0 +1,360 @@
+//! The decoder (llama, mistral, qwen2, qwen3) written with mlx-rs.
+
+use std::path::Path;
+
+use block_stream::array_from_bytes;
+use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::ops::{concatenate, dequantize, quantized_matmul};
+use mlx_rs::{Array, Dtype};
+use st_mmap::SafetensorsSet;
+
+use crate::config::{ModelConfig, Quantization};
+use crate::error::{Error, Result};
+
+/// How to hold quantized weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantizedWeights {
+    /// Keep them packed and use MLX's quantized matmul (the fast path on
+    /// Apple GPUs).
+    Keep,
+    /// Dequantize to f32 at load (the fast path on MLX's CPU backend, where
+    /// f32 matmul uses BLAS and quantized matmul does not).
+    DequantizeF32,
+}
+
+impl QuantizedWeights {
+    /// The faster choice for the device MLX will use.
+    pub fn for_device(device: block_stream::ComputeDevice) -> QuantizedWeights {
+        match device {
+            block_stream::ComputeDevice::Gpu => QuantizedWeights::Keep,
+            block_stream::ComputeDevice::Cpu => QuantizedWeights::DequantizeF32,
+        }
+    }
+}
+
+struct Weights<'a> {
+    set: &'a SafetensorsSet,
+    quant: Option<Quantization>,
+    mode: QuantizedWeights,
+}
+
+impl Weights<'_> {
+    fn array(&self, key: &str) -> Result<Array> {
+        let view = self.set.tensor(key).ok_or_else(|| Error::MissingWeight {
+            key: key.to_owned(),
+        })?;
+        Ok(array_from_bytes(key, view.dtype, view.shape, view.data)?)
+    }
+
+    fn optional(&self, key: &str) -> Result<Option<Array>> {
+        if self.set.tensor(key).is_some() {
+            self.array(key).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// `{prefix}.weight` (+ `.bias`), quantized when `.scales` exists.
+    fn linear(&self, prefix: &str) -> Result<Linear> {
+        let weight = self.array(&format!("{prefix}.weight"))?;
+        let bias = self.optional(&format!("{prefix}.bias"))?;
+        let scales = self.optional(&format!("{prefix}.scales"))?;
+        let Some(scales) = scales else {
+            return Ok(Linear {
+                weight,
+                bias,
+                quant: None,
+            });
+        };
+        let q = self.quant.ok_or_else(|| Error::MissingWeight {
+            key: format!("{prefix}: quantized weights but no `quantization` in config.json"),
+        })?;
+        let biases = self.array(&format!("{prefix}.biases"))?;
+        match self.mode {
+            QuantizedWeights::DequantizeF32 => {
+                let dense = dequantize(&weight, &scales, &biases, q.group_size, q.bits)?
+                    .as_dtype(Dtype::Float32)?;
+                Ok(Linear {
+                    weight: dense,
+                    bias,
+                    quant: None,
+                })
+            }
+            QuantizedWeights::Keep => Ok(Linear {
+                weight,
+                bias,
+                quant: Some((scales, biases, q)),
+            }),
+        }
+    }
+
+    /// An embedding table as a dense matrix (quantized tables are dequantized).
+    fn embedding(&self, prefix: &str) -> Result<Array> {
+        let table = self.linear(prefix)?;
+        Ok(match table.quant {
+            Some((scales, biases, q)) => {
+                dequantize(&table.weight, &scales, &biases, q.group_size, q.bits)?
+            }
+            None => table.weight,
+        })
+    }
+}
+
+/// A linear layer, `x @ Wᵀ + b`, dense or quantized.
+struct Linear {
+    weight: Array,
+    bias: Option<Array>,
+    quant: Option<(Array, Array, Quantization)>,
+}
+
+impl Linear {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let y = match &self.quant {
+            Some((scales, biases, q)) => {
+                quantized_matmul(x, &self.weight, scales, biases, true, q.group_size, q.bits)?
+            }
+            None => x.matmul(self.weight.t())?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+}
+
+struct Layer {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    input_norm: Array,
+    post_norm: Array,
+}
+
+/// Keys and values of every layer for the tokens seen so far.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Array, Array)>>,
+    /// Number of positions cached.
+    pub offset: i32,
+}
+
+impl KvCache {
+    /// An empty cache.
+    pub fn new() -> KvCache {
+        KvCache::default()
+    }
+
+    /// The same cache repeated `n` times along the batch axis (for a batch
+    /// that shares one prefix).
+    pub fn repeat_batch(&self, n: i32) -> Result<KvCache> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.as_ref()
+                    .map(|(k, v)| -> Result<(Array, Array)> {
+                        let rep = |a: &Array| -> Result<Array> {
+                            let copies: Vec<&Array> = (0..n).map(|_| a).collect();
+                            Ok(concatenate(&copies, 0)?)
+                        };
+                        Ok((rep(k)?, rep(v)?))
+                    })
+                    .transpose()
+            })
+            .collect::<Result<_>>()?;
+        Ok(KvCache {
+            layers,
+            offset: self.offset,
+        })
+    }
+}
+
+/// A loaded decoder model.
+pub struct Model {
+    config: ModelConfig,
+    embed: Array,
+    layers: Vec<Layer>,
+    norm: Array,
+    lm_head: Option<Linear>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Model {
+    /// Loads `dir` (mlx_lm format: `config.json` + safetensors).
+    pub fn load(dir: &Path, quantized: QuantizedWeights) -> Result<Model> {
+        let config = ModelConfig::load(dir)?;
+        let set = SafetensorsSet::open_dir(dir)?;
+        let w = Weights {
+            set: &set,
+            quant: config.quantization,
+            mode: quantized,
+        };
+        let embed = w.embedding("model.embed_tokens")?;
+        let expected = vec![config.vocab_size as i32, config.hidden_size as i32];
+        if embed.shape() != expected.as_slice() {
+            return Err(Error::WeightShape {
+                key: "model.embed_tokens.weight".into(),
+                expected,
+                actual: embed.shape().to_vec(),
+            });
+        }
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                q: w.linear(&format!("{p}.self_attn.q_proj"))?,
+                k: w.linear(&format!("{p}.self_attn.k_proj"))?,
+                v: w.linear(&format!("{p}.self_attn.v_proj"))?,
+                o: w.linear(&format!("{p}.self_attn.o_proj"))?,
+                q_norm: if config.qk_norm() {
+                    Some(w.array(&format!("{p}.self_attn.q_norm.weight"))?)
+                } else {
+                    None
+                },
+                k_norm: if config.qk_norm() {
+                    Some(w.array(&format!("{p}.self_attn.k_norm.weight"))?)
+                } else {
+                    None
+                },
+                gate: w.linear(&format!("{p}.mlp.gate_proj"))?,
+                up: w.linear(&format!("{p}.mlp.up_proj"))?,
+                down: w.linear(&format!("{p}.mlp.down_proj"))?,
+                input_norm: w.array(&format!("{p}.input_layernorm.weight"))?,
+                post_norm: w.array(&format!("{p}.post_attention_layernorm.weight"))?,
+            });
+        }
+        let norm = w.array("model.norm.weight")?;
+        let lm_head = if config.tie_word_embeddings && set.tensor("lm_head.weight").is_none() {
+            None
+        } else {
+            Some(w.linear("lm_head")?)
+        };
+        Ok(Model {
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Logits `(B, L, vocab)` for `tokens` `(B, L)` (int32), continuing from
+    /// `cache`, which is extended with these positions. `mask` `(B, 1, L,
+    /// cached + L)` (true = may attend) overrides the default causal mask,
+    /// e.g. to hide left padding.
+    pub fn forward(
+        &self,
+        tokens: &Array,
+        cache: &mut KvCache,
+        mask: Option<&Array>,
+    ) -> Result<Array> {
+        let c = &self.config;
+        let (b, l) = (tokens.dim(0), tokens.dim(1));
+        let (heads, kv_heads, hd) = (
+            c.num_attention_heads as i32,
+            c.kv_heads() as i32,
+            c.head_dim() as i32,
+        );
+        if cache.layers.len() != self.layers.len() {
+            cache.layers = vec![None; self.layers.len()];
+        }
+        let mut x = self.embed.take_axis(tokens, 0)?;
+        let scale = (hd as f32).powf(-0.5);
+        for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let h = fast::rms_norm(&x, Some(&layer.input_norm), c.rms_norm_eps)?;
+            let split = |a: Array, n: i32| -> Result<Array> {
+                Ok(a.reshape(&[b, l, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
+            };
+            let mut q = split(layer.q.forward(&h)?, heads)?;
+            let mut k = split(layer.k.forward(&h)?, kv_heads)?;
+            let v = split(layer.v.forward(&h)?, kv_heads)?;
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
+                k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
+            }
+            let q = fast::rope(
+                &q,
+                hd,
+                c.rope_traditional,
+                c.rope_theta,
+                1.0,
+                cache.offset,
+                None,
+            )?;
+            let k = fast::rope(
+                &k,
+                hd,
+                c.rope_traditional,
+                c.rope_theta,
+                1.0,
+                cache.offset,
+                None,
+            )?;
+            let (k, v) = match slot.take() {
+                Some((pk, pv)) => (concatenate(&[pk, k], 2)?, concatenate(&[pv, v], 2)?),
+                None => (k, v),
+            };
+            let attended = match mask {
+                Some(m) => fast::scaled_dot_product_attention(&q, &k, &v, scale, m, None)?,
+                None if l > 1 => fast::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    scale,
+                    ScaledDotProductAttentionMask::Causal,
+                    None,
+                )?,
+                None => fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None)?,
+            };
+            *slot = Some((k, v));
+            let attended = attended
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, heads * hd])?;
+            let x1 = x.add(layer.o.forward(&attended)?)?;
+            let h = fast::rms_norm(&x1, Some(&layer.post_norm), c.rms_norm_eps)?;
+            let gated =
+                mlx_rs::nn::silu(layer.gate.forward(&h)?)?.multiply(layer.up.forward(&h)?)?;
+            x = x1.add(layer.down.forward(&gated)?)?;
+        }
+        cache.offset += l;
+        let x = fast::rms_norm(&x, Some(&self.norm), c.rms_norm_eps)?;
+        Ok(match &self.lm_head {
+            Some(head) => head.forward(&x)?,
+            None => x.matmul(self.embed.t())?,
+        })
+    }
+}
+
+/// The attention mask for a batch whose rows are left-padded by `pads[i]`
+/// positions (counted from the start of the cache), for `new` positions after
+/// `cached` ones: `(B, 1, new, cached + new)`, true where attention is allowed.
+pub fn padded_causal_mask(pads: &[usize], cached: usize, new: usize) -> Array {
+    let total = cached + new;
+    let mut mask = Vec::with_capacity(pads.len() * new * total);
+    for &pad in pads {
+        for i in 0..new {
+            for j in 0..total {
+                mask.push(j >= pad && j <= cached + i);
+            }
+        }
+    }
+    Array::from_slice(&mask, &[pads.len() as i32, 1, new as i32, total as i32])
+}

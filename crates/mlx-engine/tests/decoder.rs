@@ -1,0 +1,305 @@
+//! The decoder against itself (cache, padding, batching) and against mlx_lm.
+
+use std::path::Path;
+use std::process::Command;
+
+use mlx_engine::{padded_causal_mask, Error, KvCache, Model, QuantizedWeights};
+use mlx_rs::{Array, Dtype};
+
+fn normal(shape: &[i32], seed: u64, std: f32) -> Array {
+    let key = mlx_rs::random::key(seed).unwrap();
+    mlx_rs::random::normal::<f32>(shape, None, std, &key).unwrap()
+}
+
+/// A tiny random model of `model_type` in mlx_lm's format.
+fn write_model(dir: &Path, model_type: &str) {
+    std::fs::create_dir_all(dir).unwrap();
+    let (hidden, layers, inter, heads, kv, vocab) = (64, 2, 128, 4, 2, 50);
+    let config = serde_json::json!({
+        "model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": inter,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-5, "vocab_size": vocab,
+        "rope_theta": 10000.0, "tie_word_embeddings": model_type != "mistral", "head_dim": hidden / heads,
+        "max_position_embeddings": 512
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let hd = hidden / heads;
+    let mut seed = 100;
+    let mut w = |shape: &[i32], std: f32| {
+        seed += 1;
+        normal(shape, seed, std)
+    };
+    let mut weights = vec![(
+        "model.embed_tokens.weight".to_owned(),
+        w(&[vocab, hidden], 0.5),
+    )];
+    weights.push((
+        "model.norm.weight".into(),
+        w(&[hidden], 0.1).add(Array::from_f32(1.0)).unwrap(),
+    ));
+    if model_type == "mistral" {
+        weights.push(("lm_head.weight".into(), w(&[vocab, hidden], 0.1)));
+    }
+    for i in 0..layers {
+        let p = format!("model.layers.{i}.");
+        for (name, out, inp) in [
+            ("self_attn.q_proj", heads * hd, hidden),
+            ("self_attn.k_proj", kv * hd, hidden),
+            ("self_attn.v_proj", kv * hd, hidden),
+            ("self_attn.o_proj", hidden, heads * hd),
+            ("mlp.gate_proj", inter, hidden),
+            ("mlp.up_proj", inter, hidden),
+            ("mlp.down_proj", hidden, inter),
+        ] {
+            weights.push((format!("{p}{name}.weight"), w(&[out, inp], 0.15)));
+            if model_type == "qwen2"
+                && ["q_proj", "k_proj", "v_proj"]
+                    .iter()
+                    .any(|s| name.ends_with(s))
+            {
+                weights.push((format!("{p}{name}.bias"), w(&[out], 0.1)));
+            }
+        }
+        if model_type == "qwen3" {
+            weights.push((
+                format!("{p}self_attn.q_norm.weight"),
+                w(&[hd], 0.1).add(Array::from_f32(1.0)).unwrap(),
+            ));
+            weights.push((
+                format!("{p}self_attn.k_norm.weight"),
+                w(&[hd], 0.1).add(Array::from_f32(1.0)).unwrap(),
+            ));
+        }
+        for norm in ["input_layernorm", "post_attention_layernorm"] {
+            weights.push((
+                format!("{p}{norm}.weight"),
+                w(&[hidden], 0.1).add(Array::from_f32(1.0)).unwrap(),
+            ));
+        }
+    }
+    Array::save_safetensors(
+        weights.iter().map(|(k, v)| (k.as_str(), v)),
+        None,
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+}
+
+fn last_logits(logits: &Array, row: i32) -> Vec<f32> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let l = logits.dim(1);
+    let v = logits.index((row, l - 1)).as_dtype(Dtype::Float32).unwrap();
+    v.eval().unwrap();
+    v.as_slice::<f32>().to_vec()
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len());
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= tol, "{what}: max |difference| {worst} > {tol}");
+}
+
+fn tokens(ids: &[i32]) -> Array {
+    Array::from_slice(ids, &[1, ids.len() as i32])
+}
+
+const PROMPT: [i32; 7] = [3, 17, 42, 5, 9, 31, 2];
+
+#[test]
+fn cached_decoding_equals_the_full_prompt() {
+    for arch in ["llama", "mistral", "qwen2", "qwen3"] {
+        let dir = tempfile::tempdir().unwrap();
+        write_model(dir.path(), arch);
+        let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+        let full = last_logits(
+            &model
+                .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
+                .unwrap(),
+            0,
+        );
+        // The first four positions, then one at a time.
+        let mut cache = KvCache::new();
+        model
+            .forward(&tokens(&PROMPT[..4]), &mut cache, None)
+            .unwrap();
+        let mut logits = None;
+        for &t in &PROMPT[4..] {
+            logits = Some(model.forward(&tokens(&[t]), &mut cache, None).unwrap());
+        }
+        assert_eq!(cache.offset, PROMPT.len() as i32);
+        assert_close(&last_logits(&logits.unwrap(), 0), &full, 1e-4, arch);
+    }
+}
+
+#[test]
+fn shared_prefix_cache_equals_the_full_prompt_for_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "llama");
+    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let prefix = [3, 17, 42];
+    let mut shared = KvCache::new();
+    model.forward(&tokens(&prefix), &mut shared, None).unwrap();
+    // Two suffixes of equal length on one copy of the prefix cache each.
+    let suffixes = [[5, 9, 31], [8, 8, 1]];
+    let mut cache = shared.repeat_batch(2).unwrap();
+    let batch = Array::from_slice(&[suffixes[0], suffixes[1]].concat(), &[2, 3]);
+    let mask = padded_causal_mask(&[0, 0], 3, 3);
+    let logits = model.forward(&batch, &mut cache, Some(&mask)).unwrap();
+    for (row, suffix) in suffixes.iter().enumerate() {
+        let full: Vec<i32> = prefix.iter().chain(suffix).copied().collect();
+        let want = last_logits(
+            &model
+                .forward(&tokens(&full), &mut KvCache::new(), None)
+                .unwrap(),
+            0,
+        );
+        assert_close(
+            &last_logits(&logits, row as i32),
+            &want,
+            1e-4,
+            &format!("row {row}"),
+        );
+    }
+}
+
+#[test]
+fn left_padded_batch_equals_one_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "qwen2");
+    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let rows: [&[i32]; 3] = [&[4, 8, 15, 16, 23, 42], &[7, 1], &[9, 9, 9, 9]];
+    let width = 6;
+    let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
+    let padded: Vec<i32> = rows
+        .iter()
+        .flat_map(|r| std::iter::repeat_n(0, width - r.len()).chain(r.iter().copied()))
+        .collect();
+    let batch = Array::from_slice(&padded, &[3, width as i32]);
+    let mask = padded_causal_mask(&pads, 0, width);
+    let logits = model
+        .forward(&batch, &mut KvCache::new(), Some(&mask))
+        .unwrap();
+    for (i, row) in rows.iter().enumerate() {
+        let want = last_logits(
+            &model
+                .forward(&tokens(row), &mut KvCache::new(), None)
+                .unwrap(),
+            0,
+        );
+        assert_close(
+            &last_logits(&logits, i as i32),
+            &want,
+            1e-4,
+            &format!("row {i}"),
+        );
+    }
+}
+
+#[test]
+fn quantized_weights_kept_or_dequantized_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "llama");
+    // Quantize every projection to 4 bits, group 32, as mlx_lm would.
+    let set = st_mmap::SafetensorsSet::open_dir(dir.path()).unwrap();
+    let mut out = Vec::new();
+    for key in set.keys() {
+        let v = set.tensor(key).unwrap();
+        let a = block_stream::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap();
+        if key.ends_with("proj.weight") {
+            let (w, s, b) = mlx_rs::ops::quantize(&a, 32, 4).unwrap();
+            let base = key.trim_end_matches(".weight");
+            out.extend([
+                (key.to_owned(), w),
+                (format!("{base}.scales"), s),
+                (format!("{base}.biases"), b),
+            ]);
+        } else {
+            out.push((key.to_owned(), a));
+        }
+    }
+    drop(set);
+    let qdir = tempfile::tempdir().unwrap();
+    Array::save_safetensors(
+        out.iter().map(|(k, v)| (k.as_str(), v)),
+        None,
+        qdir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap()).unwrap();
+    config["quantization"] = serde_json::json!({"group_size": 32, "bits": 4});
+    std::fs::write(qdir.path().join("config.json"), config.to_string()).unwrap();
+
+    let kept = Model::load(qdir.path(), QuantizedWeights::Keep).unwrap();
+    let dense = Model::load(qdir.path(), QuantizedWeights::DequantizeF32).unwrap();
+    let a = last_logits(
+        &kept
+            .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
+            .unwrap(),
+        0,
+    );
+    let b = last_logits(
+        &dense
+            .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
+            .unwrap(),
+        0,
+    );
+    assert_close(&a, &b, 1e-3, "quantized matmul vs dequantized matmul");
+}
+
+#[test]
+fn unknown_architecture_lists_the_supported_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "llama");
+    let config = std::fs::read_to_string(dir.path().join("config.json"))
+        .unwrap()
+        .replace("\"llama\"", "\"gpt_neox\"");
+    std::fs::write(dir.path().join("config.json"), config).unwrap();
+    let err = Model::load(dir.path(), QuantizedWeights::Keep).unwrap_err();
+    assert!(
+        matches!(&err, Error::UnsupportedArchitecture { model_type, supported } if model_type == "gpt_neox" && supported.contains(&"qwen3")),
+        "{err}"
+    );
+}
+
+/// Same logits as mlx_lm's own implementation of each architecture.
+#[test]
+fn logits_match_mlx_lm() {
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    if !Command::new(&python)
+        .args(["-c", "import mlx_lm"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        eprintln!("SKIP logits_match_mlx_lm: {python} lacks mlx_lm (cargo xtask test provides it)");
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_logits.py");
+    for arch in ["llama", "mistral", "qwen2", "qwen3"] {
+        let dir = tempfile::tempdir().unwrap();
+        write_model(dir.path(), arch);
+        let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+        let ours = last_logits(
+            &model
+                .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
+                .unwrap(),
+            0,
+        );
+        let out = Command::new(&python)
+            .arg(&script)
+            .arg(dir.path())
+            .args(PROMPT.iter().map(|t| t.to_string()))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{arch}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let theirs: Vec<f32> = serde_json::from_slice(&out.stdout).unwrap();
+        assert_close(&ours, &theirs, 1e-4, &format!("{arch} vs mlx_lm"));
+    }
+}
