@@ -38,6 +38,9 @@ pub enum Error {
     /// A tensor could not become an MLX array.
     #[error(transparent)]
     Tensor(#[from] block_stream::Error),
+    /// Tokenizing or rendering the chat template failed.
+    #[error("tokenizer or chat template: {0}")]
+    Template(String),
     /// An MLX operation failed.
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),

@@ -6,27 +6,58 @@
 //! Why: MLX is not thread-safe across threads sharing arrays, and most of a
 //! classification prompt is a shared prefix worth computing once.
 //!
-//! Status: the decoder ([`Model`]: llama, mistral, qwen2, qwen3 from an
-//! mlx_lm-format folder, with a key/value cache and padded batches) is here;
-//! the worker-thread engine, tokenizer and chat templates are not yet.
+//! [`MlxEngine`] starts a named worker thread that loads a model folder
+//! ([`Model`]: llama, mistral, qwen2, qwen3 in mlx_lm format), its
+//! [`Tokenizer`] and chat template, and runs the shared prefix messages once.
+//! [`MlxEngine::generate`] then checks that each conversation starts with
+//! that prefix, sorts conversations by the length of their last message,
+//! prefills each chunk of `batch_size` suffixes on copies of the prefix
+//! cache (the padding between prefix and suffix hidden by the mask and
+//! skipped by the rotary positions), decodes greedily through the logits
+//! processor, and returns the texts in the given order.
 //!
 //! ```no_run
-//! use mlx_engine::{KvCache, Model, QuantizedWeights};
-//! use mlx_rs::Array;
+//! use mlx_engine::{EngineConfig, Message, MlxEngine};
 //!
-//! # fn main() -> mlx_engine::Result<()> {
-//! let model = Model::load("models/SmolLM2-135M-Instruct".as_ref(), QuantizedWeights::DequantizeF32)?;
-//! let mut cache = KvCache::new();
-//! let logits = model.forward(&Array::from_slice(&[1i32, 2, 3], &[1, 3]), &mut cache, None)?;
-//! assert_eq!(logits.shape()[2] as usize, model.config().vocab_size);
+//! # fn main() -> Result<(), mlx_engine::EngineError> {
+//! let system = Message::new("system", "Rate the sentiment from 1 to 5.");
+//! let engine = MlxEngine::new(EngineConfig {
+//!     model_dir: "models/SmolLM2-135M-Instruct".into(),
+//!     logits_processor_factory: None,
+//!     prefix_messages: vec![system.clone()],
+//!     batch_size: 8,
+//!     worker_name: "mlx".into(),
+//!     quantized: None,
+//! })?;
+//! engine.ensure_loaded()?;
+//! let labels = engine.generate(vec![vec![system, Message::new("user", "Great film!")]], |_| {}, 1)?;
+//! println!("{labels:?}");
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Failure policy
+//!
+//! A failed load reaches `ensure_loaded` and every later call; an error in a
+//! request fails that request only; a panic in a job becomes that job's
+//! [`EngineError::Panicked`] and the worker goes on; after `close` every call
+//! gets [`EngineError::Closed`] at once. Every call has a blocking form and
+//! a [`Reply`] that is also a runtime-agnostic `Future`.
+//!
+//! Not yet here: GGUF import, the real-model parity and benchmark, and
+//! `peak_memory_bytes` (see `docs/`).
 
 mod config;
+mod engine;
 mod error;
+mod generate;
 mod model;
+mod tokenizer;
 
 pub use config::{ModelConfig, Quantization, SUPPORTED};
+pub use engine::{
+    EngineConfig, EngineError, LogitsProcessor, LogitsProcessorFactory, MlxEngine, Reply, Worker,
+};
 pub use error::{Error, Result};
-pub use model::{padded_causal_mask, KvCache, Model, QuantizedWeights};
+pub use model::{causal_mask_with_holes, padded_causal_mask, KvCache, Model, QuantizedWeights};
+pub use tokenizer::{Message, Tokenizer};

@@ -142,6 +142,10 @@ pub struct KvCache {
     layers: Vec<Option<(Array, Array)>>,
     /// Number of positions cached.
     pub offset: i32,
+    /// Per batch row, how many cached slots are padding. Rotary positions of
+    /// a row's new tokens are `offset - pad`, so padding does not shift
+    /// them; the attention mask must hide the padded slots.
+    pub pads: Vec<i32>,
 }
 
 impl KvCache {
@@ -171,6 +175,7 @@ impl KvCache {
         Ok(KvCache {
             layers,
             offset: self.offset,
+            pads: vec![0; n as usize],
         })
     }
 }
@@ -290,24 +295,28 @@ impl Model {
                 q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
                 k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
             }
-            let q = fast::rope(
-                &q,
-                hd,
-                c.rope_traditional,
-                c.rope_theta,
-                1.0,
-                cache.offset,
-                None,
-            )?;
-            let k = fast::rope(
-                &k,
-                hd,
-                c.rope_traditional,
-                c.rope_theta,
-                1.0,
-                cache.offset,
-                None,
-            )?;
+            // Rotary positions: the cache offset, less each row's padding.
+            let (q, k) = if cache.pads.iter().any(|&p| p != 0) {
+                let offsets: Vec<i32> = cache.pads.iter().map(|p| cache.offset - p).collect();
+                let offsets = Array::from_slice(&offsets, &[offsets.len() as i32]);
+                let rope = |x: &Array| {
+                    fast::rope_dynamic(x, hd, c.rope_traditional, c.rope_theta, 1.0, &offsets, None)
+                };
+                (rope(&q)?, rope(&k)?)
+            } else {
+                let rope = |x: &Array| {
+                    fast::rope(
+                        x,
+                        hd,
+                        c.rope_traditional,
+                        c.rope_theta,
+                        1.0,
+                        cache.offset,
+                        None,
+                    )
+                };
+                (rope(&q)?, rope(&k)?)
+            };
             let (k, v) = match slot.take() {
                 Some((pk, pv)) => (concatenate(&[pk, k], 2)?, concatenate(&[pv, v], 2)?),
                 None => (k, v),
@@ -347,14 +356,22 @@ impl Model {
 /// positions (counted from the start of the cache), for `new` positions after
 /// `cached` ones: `(B, 1, new, cached + new)`, true where attention is allowed.
 pub fn padded_causal_mask(pads: &[usize], cached: usize, new: usize) -> Array {
+    let holes: Vec<(usize, usize)> = pads.iter().map(|&p| (0, p)).collect();
+    causal_mask_with_holes(&holes, cached, new)
+}
+
+/// As [`padded_causal_mask`], with each row's padding anywhere: row `i` may
+/// not attend slots `holes[i].0 .. holes[i].0 + holes[i].1`.
+pub fn causal_mask_with_holes(holes: &[(usize, usize)], cached: usize, new: usize) -> Array {
     let total = cached + new;
-    let mut mask = Vec::with_capacity(pads.len() * new * total);
-    for &pad in pads {
+    let mut mask = Vec::with_capacity(holes.len() * new * total);
+    for &(start, len) in holes {
         for i in 0..new {
             for j in 0..total {
-                mask.push(j >= pad && j <= cached + i);
+                let in_hole = j >= start && j < start + len;
+                mask.push(!in_hole && j <= cached + i);
             }
         }
     }
-    Array::from_slice(&mask, &[pads.len() as i32, 1, new as i32, total as i32])
+    Array::from_slice(&mask, &[holes.len() as i32, 1, new as i32, total as i32])
 }

@@ -303,3 +303,75 @@ fn logits_match_mlx_lm() {
         assert_close(&ours, &theirs, 1e-4, &format!("{arch} vs mlx_lm"));
     }
 }
+
+/// Per-row rotary offsets (used for padded batches) equal row-by-row rope.
+#[test]
+fn rope_with_per_row_offsets_equals_row_by_row() {
+    use mlx_rs::fast;
+    use mlx_rs::ops::indexing::IndexOp;
+    let x = normal(&[2, 2, 3, 8], 5, 1.0);
+    let offsets = Array::from_slice(&[0i32, 5], &[2]);
+    let both = fast::rope_dynamic(&x, 8, false, 10000.0, 1.0, &offsets, None).unwrap();
+    for (row, off) in [(0, 0), (1, 5)] {
+        let one = fast::rope(x.index(row..row + 1), 8, false, 10000.0, 1.0, off, None).unwrap();
+        let got = both.index(row..row + 1);
+        let diff = got
+            .subtract(&one)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(None)
+            .unwrap();
+        diff.eval().unwrap();
+        assert!(
+            diff.item_exact::<f32>() < 1e-5,
+            "row {row}: rope_dynamic differs by {}",
+            diff.item_exact::<f32>()
+        );
+    }
+}
+
+/// Rows of different lengths after a shared prefix, padded between prefix
+/// and suffix, equal each row run alone — the engine's batching.
+#[test]
+fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "llama");
+    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let prefix = [3, 17, 42, 8];
+    let mut shared = KvCache::new();
+    model.forward(&tokens(&prefix), &mut shared, None).unwrap();
+    let rows: [&[i32]; 4] = [&[5, 9], &[8, 8, 1, 2, 3], &[7], &[11, 12, 13]];
+    let width = 5;
+    let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
+    let block: Vec<i32> = rows
+        .iter()
+        .flat_map(|r| std::iter::repeat_n(0, width - r.len()).chain(r.iter().copied()))
+        .collect();
+    let mut cache = shared.repeat_batch(4).unwrap();
+    cache.pads = pads.iter().map(|&p| p as i32).collect();
+    let holes: Vec<(usize, usize)> = pads.iter().map(|&p| (prefix.len(), p)).collect();
+    let mask = mlx_engine::causal_mask_with_holes(&holes, prefix.len(), width);
+    let logits = model
+        .forward(
+            &Array::from_slice(&block, &[4, width as i32]),
+            &mut cache,
+            Some(&mask),
+        )
+        .unwrap();
+    for (i, row) in rows.iter().enumerate() {
+        let full: Vec<i32> = prefix.iter().chain(row.iter()).copied().collect();
+        let want = last_logits(
+            &model
+                .forward(&tokens(&full), &mut KvCache::new(), None)
+                .unwrap(),
+            0,
+        );
+        assert_close(
+            &last_logits(&logits, i as i32),
+            &want,
+            1e-4,
+            &format!("row {i}"),
+        );
+    }
+}

@@ -1,0 +1,319 @@
+//! `MlxEngine`: one named worker thread owns the model, the tokenizer and the
+//! shared prefix's cache; callers send it commands and wait for replies.
+//!
+//! Failure policy: a failed load is reported to `ensure_loaded` and to every
+//! later call; an error in one request fails that request only; a panic in a
+//! job becomes that job's error and the worker keeps serving; after `close`
+//! (or if the worker is gone) every call gets `EngineError::Closed` at once.
+//! Nobody waits forever.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{unbounded, Sender};
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+
+use crate::generate::{generate_batch, GenState};
+use crate::model::{Model, QuantizedWeights};
+use crate::tokenizer::{Message, Tokenizer};
+
+/// Changes the logits `(batch, vocab)` of each decoding step, e.g. to allow
+/// only a set of label tokens.
+pub trait LogitsProcessor {
+    /// Returns the logits to pick the next tokens from.
+    fn process(&mut self, logits: &Array) -> Result<Array, Exception>;
+}
+
+impl<F: FnMut(&Array) -> Result<Array, Exception>> LogitsProcessor for F {
+    fn process(&mut self, logits: &Array) -> Result<Array, Exception> {
+        self(logits)
+    }
+}
+
+/// Builds the logits processor from the loaded tokenizer, on the worker.
+pub type LogitsProcessorFactory = Box<dyn FnOnce(&Tokenizer) -> Box<dyn LogitsProcessor> + Send>;
+
+/// How to start an engine.
+pub struct EngineConfig {
+    /// An mlx_lm-format model folder (e.g. what `adapter-fuse` returns).
+    pub model_dir: PathBuf,
+    /// Builds the processor applied to every step; `None` leaves logits as they are.
+    pub logits_processor_factory: Option<LogitsProcessorFactory>,
+    /// Messages every conversation starts with; their cache is computed once.
+    pub prefix_messages: Vec<Message>,
+    /// Conversations per batch (at least 1).
+    pub batch_size: usize,
+    /// Name of the worker thread.
+    pub worker_name: String,
+    /// How to hold quantized weights; `None` picks the faster for the device.
+    pub quantized: Option<QuantizedWeights>,
+}
+
+impl std::fmt::Debug for EngineConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineConfig")
+            .field("model_dir", &self.model_dir)
+            .field("prefix_messages", &self.prefix_messages)
+            .field("batch_size", &self.batch_size)
+            .field("worker_name", &self.worker_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Errors of the engine. Cloneable: one load error reaches every caller.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// The configuration cannot work (e.g. batch size 0).
+    #[error("invalid engine configuration: {0}")]
+    InvalidConfig(String),
+    /// Loading the model failed; every call reports it.
+    #[error("loading the model failed: {0}")]
+    Load(Arc<crate::Error>),
+    /// A conversation does not start with the engine's prefix messages.
+    #[error("conversation {index} does not start with the engine's prefix messages")]
+    PrefixMismatch { index: usize },
+    /// Generating failed for this request.
+    #[error("generation failed: {0}")]
+    Generate(Arc<crate::Error>),
+    /// A job panicked on the worker (the worker goes on).
+    #[error("a job panicked on the worker: {0}")]
+    Panicked(String),
+    /// The engine was closed, or its worker is gone.
+    #[error("the engine is closed")]
+    Closed,
+}
+
+/// What a job submitted with [`MlxEngine::submit`] gets to work with.
+pub struct Worker {
+    /// The loaded model.
+    pub model: Model,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    pub(crate) state: GenState,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A job for the worker; `None` when the model failed to load.
+type Job = Box<dyn FnOnce(Option<&mut Worker>) + Send>;
+
+enum Command {
+    Run(Job),
+    Close,
+}
+
+/// A reply that can be waited for (`wait`) or awaited (it is a `Future`,
+/// independent of any async runtime).
+#[derive(Debug)]
+pub struct Reply<T>(oneshot::Receiver<Result<T, EngineError>>);
+
+impl<T> Reply<T> {
+    /// Blocks until the worker answers.
+    pub fn wait(self) -> Result<T, EngineError> {
+        self.0.recv().unwrap_or(Err(EngineError::Closed))
+    }
+
+    fn ready(value: Result<T, EngineError>) -> Reply<T> {
+        let (tx, rx) = oneshot::channel();
+        let _ = tx.send(value);
+        Reply(rx)
+    }
+}
+
+impl<T> std::future::Future for Reply<T> {
+    type Output = Result<T, EngineError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0)
+            .poll(cx)
+            .map(|r| r.unwrap_or(Err(EngineError::Closed)))
+    }
+}
+
+/// Batched generation on a worker thread that owns MLX.
+#[derive(Debug)]
+pub struct MlxEngine {
+    tx: Mutex<Option<Sender<Command>>>,
+    loaded: Mutex<Option<Result<(), EngineError>>>,
+    load_rx: Mutex<Option<oneshot::Receiver<Result<(), EngineError>>>>,
+    handle: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl MlxEngine {
+    /// Starts the worker, which loads the model and computes the prefix
+    /// cache. Returns at once; see [`ensure_loaded`](Self::ensure_loaded).
+    pub fn new(config: EngineConfig) -> Result<MlxEngine, EngineError> {
+        if config.batch_size == 0 {
+            return Err(EngineError::InvalidConfig(
+                "batch_size must be at least 1".into(),
+            ));
+        }
+        let (tx, rx) = unbounded::<Command>();
+        let (load_tx, load_rx) = oneshot::channel();
+        let handle = std::thread::Builder::new()
+            .name(config.worker_name.clone())
+            .spawn(move || {
+                let mut worker = catch_unwind(AssertUnwindSafe(|| load(config)))
+                    .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
+                let _ = load_tx.send(worker.as_ref().map(|_| ()).map_err(Clone::clone));
+                for command in rx {
+                    match command {
+                        Command::Run(job) => job(worker.as_mut().ok()),
+                        Command::Close => break,
+                    }
+                }
+            })
+            .map_err(|e| {
+                EngineError::InvalidConfig(format!("cannot start the worker thread: {e}"))
+            })?;
+        Ok(MlxEngine {
+            tx: Mutex::new(Some(tx)),
+            loaded: Mutex::new(None),
+            load_rx: Mutex::new(Some(load_rx)),
+            handle: Mutex::new(Some(handle)),
+        })
+    }
+
+    /// Waits for the load to finish; returns its error (every time) or Ok.
+    pub fn ensure_loaded(&self) -> Result<(), EngineError> {
+        let mut loaded = self.loaded.lock().expect("not poisoned");
+        if loaded.is_none() {
+            let rx = self.load_rx.lock().expect("not poisoned").take();
+            let result = rx.map_or(Err(EngineError::Closed), |rx| {
+                rx.recv().unwrap_or(Err(EngineError::Closed))
+            });
+            *loaded = Some(result);
+        }
+        loaded.clone().expect("set above")
+    }
+
+    fn send<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(Option<&mut Worker>) -> Result<T, EngineError> + Send + 'static,
+    ) -> Reply<T> {
+        let (reply_tx, reply_rx) = oneshot::channel();
+        let command = Command::Run(Box::new(move |worker| {
+            let result = catch_unwind(AssertUnwindSafe(|| job(worker)))
+                .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
+            let _ = reply_tx.send(result);
+        }));
+        let sent = self
+            .tx
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .is_some_and(|tx| tx.send(command).is_ok());
+        if sent {
+            Reply(reply_rx)
+        } else {
+            Reply::ready(Err(EngineError::Closed))
+        }
+    }
+
+    fn load_error(&self) -> Option<EngineError> {
+        self.ensure_loaded().err()
+    }
+
+    /// Runs `job` on the worker with the model and tokenizer.
+    pub fn submit<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut Worker) -> T + Send + 'static,
+    ) -> Reply<T> {
+        if let Some(e) = self.load_error() {
+            return Reply::ready(Err(e));
+        }
+        self.send(move |worker| worker.map(job).ok_or(EngineError::Closed))
+    }
+
+    /// Generates up to `max_tokens` tokens (greedy) for each conversation,
+    /// returning the texts in the given order. See the crate docs.
+    pub fn generate_async(
+        &self,
+        conversations: Vec<Vec<Message>>,
+        on_progress: impl FnMut(usize) + Send + 'static,
+        max_tokens: usize,
+    ) -> Reply<Vec<String>> {
+        if let Some(e) = self.load_error() {
+            return Reply::ready(Err(e));
+        }
+        let mut on_progress = on_progress;
+        self.send(move |worker| {
+            let worker = worker.ok_or(EngineError::Closed)?;
+            generate_batch(worker, &conversations, max_tokens, &mut on_progress)
+        })
+    }
+
+    /// Blocking [`generate_async`](Self::generate_async).
+    pub fn generate(
+        &self,
+        conversations: Vec<Vec<Message>>,
+        on_progress: impl FnMut(usize) + Send + 'static,
+        max_tokens: usize,
+    ) -> Result<Vec<String>, EngineError> {
+        self.generate_async(conversations, on_progress, max_tokens)
+            .wait()
+    }
+
+    /// Lets queued jobs finish, then stops the worker. Later calls get
+    /// [`EngineError::Closed`].
+    pub fn close(&self) {
+        if let Some(tx) = self.tx.lock().expect("not poisoned").take() {
+            let _ = tx.send(Command::Close);
+        }
+        if let Some(handle) = self.handle.lock().expect("not poisoned").take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for MlxEngine {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
+}
+
+fn load(config: EngineConfig) -> Result<Worker, EngineError> {
+    let err = |e: crate::Error| EngineError::Load(Arc::new(e));
+    let device = block_stream::best_device();
+    block_stream::use_device(device).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+    let quantized = config
+        .quantized
+        .unwrap_or_else(|| QuantizedWeights::for_device(device));
+    let model = Model::load(&config.model_dir, quantized).map_err(err)?;
+    let tokenizer = Tokenizer::load(&config.model_dir).map_err(err)?;
+    let processor = config.logits_processor_factory.map(|f| f(&tokenizer));
+    let state = GenState::new(
+        &model,
+        &tokenizer,
+        config.prefix_messages,
+        processor,
+        config.batch_size,
+    )
+    .map_err(err)?;
+    Ok(Worker {
+        model,
+        tokenizer,
+        state,
+    })
+}

@@ -1,0 +1,165 @@
+//! Batched greedy generation on the worker, on copies of the prefix cache.
+
+use std::sync::Arc;
+
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::Array;
+
+use crate::engine::{EngineError, LogitsProcessor, Worker};
+use crate::model::{causal_mask_with_holes, KvCache, Model};
+use crate::tokenizer::{Message, Tokenizer};
+
+/// What generation keeps between requests.
+pub(crate) struct GenState {
+    prefix_messages: Vec<Message>,
+    prefix_tokens: Vec<u32>,
+    prefix_cache: KvCache,
+    processor: Option<Box<dyn LogitsProcessor>>,
+    batch_size: usize,
+    eos: Vec<u32>,
+}
+
+impl GenState {
+    /// Renders the prefix messages (no generation prompt) and runs them once.
+    pub(crate) fn new(
+        model: &Model,
+        tokenizer: &Tokenizer,
+        prefix_messages: Vec<Message>,
+        processor: Option<Box<dyn LogitsProcessor>>,
+        batch_size: usize,
+    ) -> crate::Result<GenState> {
+        let prefix_tokens = if prefix_messages.is_empty() {
+            Vec::new()
+        } else {
+            tokenizer.chat_tokens(&prefix_messages, false)?
+        };
+        let mut prefix_cache = KvCache::new();
+        if !prefix_tokens.is_empty() {
+            let ids: Vec<i32> = prefix_tokens.iter().map(|&t| t as i32).collect();
+            let logits = model.forward(
+                &Array::from_slice(&ids, &[1, ids.len() as i32]),
+                &mut prefix_cache,
+                None,
+            )?;
+            logits.eval()?;
+        }
+        Ok(GenState {
+            prefix_messages,
+            prefix_tokens,
+            prefix_cache,
+            processor,
+            batch_size,
+            eos: tokenizer.eos_ids().iter().copied().collect(),
+        })
+    }
+}
+
+fn gen_err(e: impl Into<crate::Error>) -> EngineError {
+    EngineError::Generate(Arc::new(e.into()))
+}
+
+/// Generates for every conversation; texts come back in the given order.
+pub(crate) fn generate_batch(
+    worker: &mut Worker,
+    conversations: &[Vec<Message>],
+    max_tokens: usize,
+    on_progress: &mut dyn FnMut(usize),
+) -> Result<Vec<String>, EngineError> {
+    let state = &mut worker.state;
+    let p = state.prefix_messages.len();
+    let mut suffixes = Vec::with_capacity(conversations.len());
+    for (index, conversation) in conversations.iter().enumerate() {
+        if conversation.len() <= p || conversation[..p] != state.prefix_messages[..] {
+            return Err(EngineError::PrefixMismatch { index });
+        }
+        let tokens = worker
+            .tokenizer
+            .chat_tokens(conversation, true)
+            .map_err(gen_err)?;
+        let suffix = tokens
+            .strip_prefix(state.prefix_tokens.as_slice())
+            .filter(|s| !s.is_empty())
+            .ok_or(EngineError::PrefixMismatch { index })?;
+        suffixes.push(suffix.to_vec());
+    }
+    // Similar lengths together: sort (stably) by the last message's length.
+    let mut order: Vec<usize> = (0..conversations.len()).collect();
+    order.sort_by_key(|&i| {
+        conversations[i]
+            .last()
+            .map_or(0, |m| m.content.chars().count())
+    });
+    let mut texts = vec![String::new(); conversations.len()];
+    for chunk in order.chunks(state.batch_size) {
+        let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
+        let generated = generate_chunk(&worker.model, state, &rows, max_tokens).map_err(gen_err)?;
+        for (&i, tokens) in chunk.iter().zip(generated) {
+            texts[i] = worker.tokenizer.decode(&tokens).map_err(gen_err)?;
+        }
+        on_progress(chunk.len());
+    }
+    Ok(texts)
+}
+
+/// Prefills the rows' suffixes after the shared prefix (right-aligned, the
+/// padding between prefix and suffix hidden by the mask and skipped by the
+/// rotary positions), then decodes greedily.
+fn generate_chunk(
+    model: &Model,
+    state: &mut GenState,
+    rows: &[&[u32]],
+    max_tokens: usize,
+) -> crate::Result<Vec<Vec<u32>>> {
+    let b = rows.len();
+    let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let prefix_len = state.prefix_tokens.len();
+    let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
+    let mut block = Vec::with_capacity(b * width);
+    for (row, &pad) in rows.iter().zip(&pads) {
+        block.extend(std::iter::repeat_n(0i32, pad));
+        block.extend(row.iter().map(|&t| t as i32));
+    }
+    let mut cache = state.prefix_cache.repeat_batch(b as i32)?;
+    cache.pads = pads.iter().map(|&p| p as i32).collect();
+    let holes: Vec<(usize, usize)> = pads.iter().map(|&p| (prefix_len, p)).collect();
+    let mask = causal_mask_with_holes(&holes, prefix_len, width);
+    let logits = model.forward(
+        &Array::from_slice(&block, &[b as i32, width as i32]),
+        &mut cache,
+        Some(&mask),
+    )?;
+    let mut last = logits.index((.., width as i32 - 1, ..));
+    let eos = state.eos.clone();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
+    let mut done = vec![false; b];
+    for step in 0..max_tokens {
+        if let Some(processor) = state.processor.as_mut() {
+            last = processor.process(&last)?;
+        }
+        let next = argmax_axis(&last, -1, None)?.as_dtype(mlx_rs::Dtype::Int32)?;
+        next.eval()?;
+        let ids: Vec<i32> = next.as_slice::<i32>().to_vec();
+        for (row, &id) in ids.iter().enumerate() {
+            if done[row] {
+                continue;
+            }
+            if eos.contains(&(id as u32)) {
+                done[row] = true;
+            } else {
+                out[row].push(id as u32);
+            }
+        }
+        if step + 1 == max_tokens || done.iter().all(|&d| d) {
+            break;
+        }
+        let cached = cache.offset as usize;
+        let mask = causal_mask_with_holes(&holes, cached, 1);
+        let logits = model.forward(
+            &Array::from_slice(&ids, &[b as i32, 1]),
+            &mut cache,
+            Some(&mask),
+        )?;
+        last = logits.index((.., 0, ..));
+    }
+    Ok(out)
+}

@@ -1,0 +1,191 @@
+//! The tokenizer, chat template and stop tokens of a model folder.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl Message {
+    /// A message of `role` saying `content`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// `tokenizer.json` through the `tokenizers` crate, the chat template from
+/// `tokenizer_config.json` or `chat_template.jinja` through minijinja, and
+/// the end-of-sequence ids from the configs.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    template: Option<String>,
+    bos: Option<String>,
+    eos: Option<String>,
+    eos_ids: BTreeSet<u32>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("eos_ids", &self.eos_ids)
+            .field("has_chat_template", &self.template.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn read_json(path: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+/// A special token given as a string or as `{"content": ...}`.
+fn token_text(v: &serde_json::Value) -> Option<String> {
+    v.as_str()
+        .map(str::to_owned)
+        .or_else(|| v.get("content")?.as_str().map(str::to_owned))
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    match v {
+        serde_json::Value::Number(n) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|n| n as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl Tokenizer {
+    /// Loads the tokenizer of the model folder `dir`.
+    pub fn load(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Config {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let config = read_json(&dir.join("tokenizer_config.json")).unwrap_or_default();
+        let template = std::fs::read_to_string(dir.join("chat_template.jinja"))
+            .ok()
+            .or_else(|| config.get("chat_template")?.as_str().map(str::to_owned));
+        let bos = config.get("bos_token").and_then(token_text);
+        let eos = config.get("eos_token").and_then(token_text);
+        let mut eos_ids = BTreeSet::new();
+        for file in ["config.json", "generation_config.json"] {
+            if let Some(v) = read_json(&dir.join(file)).and_then(|c| c.get("eos_token_id").cloned())
+            {
+                eos_ids.extend(ids(&v));
+            }
+        }
+        if let Some(id) = eos.as_deref().and_then(|t| inner.token_to_id(t)) {
+            eos_ids.insert(id);
+        }
+        Ok(Tokenizer {
+            inner,
+            template,
+            bos,
+            eos,
+            eos_ids,
+        })
+    }
+
+    /// Token ids of `text`, without adding special tokens.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Template(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Template(e.to_string()))
+    }
+
+    /// The id of a token's text, if it is one token.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Ids that end generation.
+    pub fn eos_ids(&self) -> &BTreeSet<u32> {
+        &self.eos_ids
+    }
+
+    /// Renders `messages` with the chat template (as Hugging Face does:
+    /// `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
+    /// `raise_exception`, `tojson`).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self
+            .template
+            .as_deref()
+            .ok_or_else(|| Error::Template("the model has no chat template".to_owned()))?;
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
+        env.add_template("chat", template)
+            .map_err(|e| Error::Template(e.to_string()))?;
+        let messages: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|m| {
+                let map: std::collections::BTreeMap<String, minijinja::Value> = [
+                    ("role".to_owned(), minijinja::Value::from(m.role.clone())),
+                    (
+                        "content".to_owned(),
+                        minijinja::Value::from(m.content.clone()),
+                    ),
+                ]
+                .into_iter()
+                .collect();
+                minijinja::Value::from(map)
+            })
+            .collect();
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos.clone().unwrap_or_default(),
+            eos_token => self.eos.clone().unwrap_or_default(),
+        };
+        env.get_template("chat")
+            .and_then(|t| t.render(ctx))
+            .map_err(|e| Error::Template(e.to_string()))
+    }
+
+    /// The token ids of `messages` rendered with the chat template.
+    pub fn chat_tokens(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        self.encode(&self.apply_chat_template(messages, add_generation_prompt)?)
+    }
+}
