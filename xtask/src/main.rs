@@ -4,12 +4,14 @@
 //! - `test`: every check and test (the README's second command, and CI's).
 //! - `bench`: benchmarks.
 //! - `encode-adapter`, `decode-adapter`, `adapter-info`: the adapter codec.
+//! - `fixtures`, `import-gguf`: the real model (SmolLM2) for tests and demo.
 //! - `prereqs`: install what the MLX build needs and do nothing else.
 //!
 //! Every command first makes sure the machine has what the MLX build needs,
 //! installing Debian packages when it can, so each one works on a fresh clone.
 
 mod adapter;
+mod fixtures;
 mod prereqs;
 
 use std::process::Command;
@@ -40,6 +42,24 @@ fn run() -> Result<()> {
     let rest: Vec<String> = args.collect();
     match command.as_str() {
         "prereqs" => prereqs::ensure(),
+        "fixtures" => {
+            prereqs::ensure()?;
+            let dir = fixtures::ensure()?;
+            println!(
+                "SmolLM2-135M-Instruct: {}/f32 and {}/q4",
+                dir.display(),
+                dir.display()
+            );
+            Ok(())
+        }
+        "import-gguf" => {
+            prereqs::ensure()?;
+            let [src, dst, rest @ ..] = rest.as_slice() else {
+                bail!("usage: cargo xtask import-gguf SRC.gguf DST [--f32]");
+            };
+            let flag = rest.iter().find(|a| *a == "--f32").map(String::as_str);
+            fixtures::import(src.as_ref(), dst.as_ref(), flag)
+        }
         "encode-adapter" => adapter::encode(&rest),
         "decode-adapter" => adapter::decode(&rest),
         "adapter-info" => adapter::info(&rest),
@@ -48,6 +68,13 @@ fn run() -> Result<()> {
             if let Some(python) = prereqs::interop_python() {
                 // Read by the interop tests (they fall back to `python3`).
                 std::env::set_var(INTEROP_PYTHON_VAR, python);
+            }
+            // The real model; tests that need it skip, saying so, without it.
+            match fixtures::ensure() {
+                Ok(dir) => std::env::set_var("MLX_LOWMEM_SMOLLM2", dir),
+                Err(e) => {
+                    eprintln!("xtask: warning: no SmolLM2 fixture ({e:#}); its tests will skip")
+                }
             }
             test()
         }
@@ -90,6 +117,8 @@ fn run() -> Result<()> {
              encode-adapter SRC [--out FILE.zst] [--level N]\n  \
              decode-adapter FILE.zst DST\n  \
              adapter-info FILE.zst\n  \
+             fixtures     download and import SmolLM2-135M-Instruct once\n  \
+             import-gguf SRC.gguf DST [--f32]\n  \
              prereqs      install the system packages the MLX build needs"
         ),
     }

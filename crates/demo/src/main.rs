@@ -17,6 +17,9 @@ fn main() -> Result<()> {
     if child_main(&args)? {
         return Ok(());
     }
+    if args.first().map(String::as_str) == Some("import-gguf") {
+        return import_gguf(&args[1..]);
+    }
     let device = use_device(best_device())?;
     println!("== MLX on this machine");
     println!(
@@ -76,5 +79,22 @@ fn streaming() -> Result<()> {
         mb(all.peak_rss.saturating_sub(streamed.peak_rss)),
         streamed.checksum
     );
+    Ok(())
+}
+
+/// `demo import-gguf SRC.gguf DST [--f32]`: behind `cargo xtask import-gguf`.
+fn import_gguf(args: &[String]) -> Result<()> {
+    let f32 = args.iter().any(|a| a == "--f32");
+    let paths: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
+    let [src, dst] = paths.as_slice() else {
+        anyhow::bail!("usage: import-gguf SRC.gguf DST [--f32]");
+    };
+    let weights = if f32 {
+        mlx_engine::ImportWeights::F32
+    } else {
+        mlx_engine::ImportWeights::Quantized
+    };
+    mlx_engine::import_gguf(src.as_ref(), dst.as_ref(), weights)?;
+    println!("imported {src} into {dst} ({weights:?})");
     Ok(())
 }

@@ -51,6 +51,7 @@ mod config;
 mod engine;
 mod error;
 mod generate;
+mod gguf;
 mod model;
 mod tokenizer;
 
@@ -59,5 +60,6 @@ pub use engine::{
     EngineConfig, EngineError, LogitsProcessor, LogitsProcessorFactory, MlxEngine, Reply, Worker,
 };
 pub use error::{Error, Result};
+pub use gguf::{import_gguf, ImportWeights};
 pub use model::{causal_mask_with_holes, padded_causal_mask, KvCache, Model, QuantizedWeights};
 pub use tokenizer::{Message, Tokenizer};

