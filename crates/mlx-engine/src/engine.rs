@@ -16,7 +16,7 @@ use crossbeam_channel::{unbounded, Sender};
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use crate::generate::{generate_batch, GenState};
+use crate::generate::{generate_batch, GenState, GenerationStats};
 use crate::model::{Model, QuantizedWeights};
 use crate::tokenizer::{Message, Tokenizer};
 
@@ -253,6 +253,24 @@ impl MlxEngine {
         self.send(move |worker| {
             let worker = worker.ok_or(EngineError::Closed)?;
             generate_batch(worker, &conversations, max_tokens, &mut on_progress)
+                .map(|(texts, _)| texts)
+        })
+    }
+
+    /// [`generate_async`](Self::generate_async), with throughput figures.
+    pub fn generate_with_stats_async(
+        &self,
+        conversations: Vec<Vec<Message>>,
+        on_progress: impl FnMut(usize) + Send + 'static,
+        max_tokens: usize,
+    ) -> Reply<(Vec<String>, GenerationStats)> {
+        if let Some(e) = self.load_error() {
+            return Reply::ready(Err(e));
+        }
+        let mut on_progress = on_progress;
+        self.send(move |worker| {
+            let worker = worker.ok_or(EngineError::Closed)?;
+            generate_batch(worker, &conversations, max_tokens, &mut on_progress)
         })
     }
 
@@ -265,6 +283,17 @@ impl MlxEngine {
     ) -> Result<Vec<String>, EngineError> {
         self.generate_async(conversations, on_progress, max_tokens)
             .wait()
+    }
+
+    /// The process's peak resident set size in bytes, from the OS (`VmHWM`
+    /// on Linux, `ru_maxrss` elsewhere, whose unit differs by platform).
+    pub fn peak_memory_bytes(&self) -> Option<u64> {
+        block_stream::ProcessMemory::read().peak_rss
+    }
+
+    /// MLX's own peak memory (its allocator's high-water mark), in bytes.
+    pub fn mlx_peak_memory_bytes(&self) -> Reply<usize> {
+        self.submit(|_| mlx_rs::memory::peak_memory().unwrap_or(0))
     }
 
     /// Lets queued jobs finish, then stops the worker. Later calls get

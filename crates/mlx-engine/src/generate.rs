@@ -58,13 +58,56 @@ fn gen_err(e: impl Into<crate::Error>) -> EngineError {
     EngineError::Generate(Arc::new(e.into()))
 }
 
+/// Throughput of one `generate` call. Rates never divide by zero.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GenerationStats {
+    /// Conversations answered.
+    pub conversations: usize,
+    /// Prompt tokens prefilled (suffixes only: the prefix is cached once).
+    pub prompt_tokens: usize,
+    /// Tokens generated (EOS not counted).
+    pub generated_tokens: usize,
+    /// Wall time on the worker, seconds.
+    pub seconds: f64,
+}
+
+impl GenerationStats {
+    fn per_second(&self, n: usize) -> f64 {
+        if self.seconds > 0.0 {
+            n as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+
+    /// Conversations per second.
+    pub fn conversations_per_s(&self) -> f64 {
+        self.per_second(self.conversations)
+    }
+
+    /// Prompt tokens per second.
+    pub fn prompt_tokens_per_s(&self) -> f64 {
+        self.per_second(self.prompt_tokens)
+    }
+
+    /// Generated tokens per second.
+    pub fn generated_tokens_per_s(&self) -> f64 {
+        self.per_second(self.generated_tokens)
+    }
+}
+
 /// Generates for every conversation; texts come back in the given order.
 pub(crate) fn generate_batch(
     worker: &mut Worker,
     conversations: &[Vec<Message>],
     max_tokens: usize,
     on_progress: &mut dyn FnMut(usize),
-) -> Result<Vec<String>, EngineError> {
+) -> Result<(Vec<String>, GenerationStats), EngineError> {
+    let start = std::time::Instant::now();
+    let mut stats = GenerationStats {
+        conversations: conversations.len(),
+        ..GenerationStats::default()
+    };
     let state = &mut worker.state;
     let p = state.prefix_messages.len();
     let mut suffixes = Vec::with_capacity(conversations.len());
@@ -92,13 +135,16 @@ pub(crate) fn generate_batch(
     let mut texts = vec![String::new(); conversations.len()];
     for chunk in order.chunks(state.batch_size) {
         let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
+        stats.prompt_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
         let generated = generate_chunk(&worker.model, state, &rows, max_tokens).map_err(gen_err)?;
+        stats.generated_tokens += generated.iter().map(Vec::len).sum::<usize>();
         for (&i, tokens) in chunk.iter().zip(generated) {
             texts[i] = worker.tokenizer.decode(&tokens).map_err(gen_err)?;
         }
         on_progress(chunk.len());
     }
-    Ok(texts)
+    stats.seconds = start.elapsed().as_secs_f64();
+    Ok((texts, stats))
 }
 
 /// Prefills the rows' suffixes after the shared prefix (right-aligned, the

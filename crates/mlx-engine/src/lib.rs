@@ -52,6 +52,7 @@ mod engine;
 mod error;
 mod generate;
 mod gguf;
+pub use generate::GenerationStats;
 mod model;
 mod tokenizer;
 

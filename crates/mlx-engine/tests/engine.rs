@@ -329,3 +329,29 @@ fn replies_are_futures_too() {
     };
     assert_eq!(texts, engine.generate(conversations(), |_| {}, 2).unwrap());
 }
+
+#[test]
+fn statistics_and_memory_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path());
+    let engine = engine(dir.path(), 4);
+    let (texts, stats) = engine
+        .generate_with_stats_async(conversations(), |_| {}, 3)
+        .wait()
+        .unwrap();
+    assert_eq!((texts.len(), stats.conversations), (6, 6));
+    let words: usize = texts.iter().map(|t| t.split_whitespace().count()).sum();
+    assert_eq!(
+        stats.generated_tokens, words,
+        "one word-level token per generated word"
+    );
+    assert!(stats.prompt_tokens >= 6 * 3 && stats.seconds > 0.0);
+    assert!(stats.conversations_per_s() > 0.0 && stats.conversations_per_s().is_finite());
+    assert_eq!(
+        mlx_engine::GenerationStats::default().conversations_per_s(),
+        0.0,
+        "no division by zero"
+    );
+    assert!(engine.peak_memory_bytes().unwrap() > 1 << 20);
+    assert!(engine.mlx_peak_memory_bytes().wait().unwrap() > 0);
+}
