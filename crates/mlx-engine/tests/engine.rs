@@ -341,9 +341,10 @@ fn statistics_and_memory_are_reported() {
         .unwrap();
     assert_eq!((texts.len(), stats.conversations), (6, 6));
     let words: usize = texts.iter().map(|t| t.split_whitespace().count()).sum();
-    assert_eq!(
-        stats.generated_tokens, words,
-        "one word-level token per generated word"
+    // Each visible word is one token; at most 3 tokens per conversation.
+    assert!(
+        stats.generated_tokens >= words && stats.generated_tokens <= 6 * 3,
+        "{stats:?} for {texts:?}"
     );
     assert!(stats.prompt_tokens >= 6 * 3 && stats.seconds > 0.0);
     assert!(stats.conversations_per_s() > 0.0 && stats.conversations_per_s().is_finite());
