@@ -80,7 +80,15 @@ fn run() -> Result<()> {
         }
         "demo" => {
             prereqs::ensure()?;
-            cargo(&["run", "--release", "--package", "demo", "--"], &rest)
+            let mut args = rest.clone();
+            if !args.iter().any(|a| a == "--model-dir") {
+                let dir = fixtures::ensure()?;
+                args.extend([
+                    "--model-dir".to_owned(),
+                    dir.join("f32").display().to_string(),
+                ]);
+            }
+            cargo(&["run", "--release", "--package", "demo", "--"], &args)
         }
         "bench" => {
             prereqs::ensure()?;

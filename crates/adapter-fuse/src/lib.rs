@@ -62,6 +62,68 @@ pub enum FuseProgress {
     Published,
 }
 
+/// Receives [`FuseProgress`] events. Closures `FnMut(FuseProgress)`
+/// implement it; [`ProgressBars`] draws them with indicatif.
+pub trait FuseReporter {
+    /// Called for each event, on the calling thread.
+    fn report(&mut self, event: FuseProgress);
+}
+
+impl<F: FnMut(FuseProgress)> FuseReporter for F {
+    fn report(&mut self, event: FuseProgress) {
+        self(event)
+    }
+}
+
+/// Terminal progress for [`ensure_fused_with_progress`]: a spinner while
+/// downloading and waiting, a bar while fusing.
+#[derive(Debug, Default)]
+pub struct ProgressBars {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl FuseReporter for ProgressBars {
+    fn report(&mut self, event: FuseProgress) {
+        match event {
+            FuseProgress::Hit => {}
+            FuseProgress::Waiting => {
+                self.spinner("waiting for another process fusing the same adapter")
+            }
+            FuseProgress::Downloading(file) => self.spinner(&format!("downloading {file}")),
+            FuseProgress::Fusing { done, total } => {
+                let bar = self.bar.get_or_insert_with(|| {
+                    let bar = indicatif::ProgressBar::new(total as u64);
+                    bar.set_style(
+                        indicatif::ProgressStyle::with_template(
+                            "fusing [{bar:30}] {pos}/{len} modules",
+                        )
+                        .expect("valid template")
+                        .progress_chars("=> "),
+                    );
+                    bar
+                });
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+            }
+            FuseProgress::Published => {
+                if let Some(bar) = self.bar.take() {
+                    bar.finish_and_clear();
+                }
+            }
+        }
+    }
+}
+
+impl ProgressBars {
+    fn spinner(&mut self, message: &str) {
+        let bar = self
+            .bar
+            .get_or_insert_with(indicatif::ProgressBar::new_spinner);
+        bar.set_message(message.to_owned());
+        bar.tick();
+    }
+}
+
 /// Returns the fused model's snapshot folder, fusing on a miss. See the
 /// crate docs for the cache layout and its guarantees.
 pub fn ensure_fused(
@@ -72,13 +134,15 @@ pub fn ensure_fused(
     ensure_fused_with_progress(model_repo, codec, cache_namespace, |_| {})
 }
 
-/// [`ensure_fused`], reporting progress.
+/// [`ensure_fused`], reporting progress to `reporter` (a closure, or
+/// [`ProgressBars`] for a terminal).
 pub fn ensure_fused_with_progress(
     model_repo: &str,
     codec: &AdapterCodec,
     cache_namespace: &str,
-    mut progress: impl FnMut(FuseProgress),
+    mut reporter: impl FuseReporter,
 ) -> Result<PathBuf> {
+    let mut progress = |event| reporter.report(event);
     let root = hub_cache_root();
     let entry = cache::Entry::new(&root, cache_namespace, &codec.digest()?)?;
     if entry.is_complete() {
