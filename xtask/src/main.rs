@@ -111,8 +111,29 @@ fn run() -> Result<()> {
                     &[],
                 )?;
             }
-            if !matches!(which, "all" | "matmul" | "codec" | "stream" | "fuse") {
-                bail!("unknown benchmark {which:?}: use matmul, codec, stream, fuse, or nothing for all");
+            if matches!(which, "all" | "engine") {
+                std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
+                if let Some(python) = prereqs::interop_python() {
+                    std::env::set_var(INTEROP_PYTHON_VAR, python);
+                }
+                let args: Vec<String> = rest.iter().skip(1).cloned().collect();
+                cargo(
+                    &[
+                        "bench",
+                        "--package",
+                        "mlx-engine",
+                        "--bench",
+                        "engine",
+                        "--",
+                    ],
+                    &args,
+                )?;
+            }
+            if !matches!(
+                which,
+                "all" | "matmul" | "codec" | "stream" | "fuse" | "engine"
+            ) {
+                bail!("unknown benchmark {which:?}: use matmul, codec, stream, fuse, engine, or nothing for all");
             }
             Ok(())
         }
@@ -121,7 +142,7 @@ fn run() -> Result<()> {
              commands:\n  \
              demo [ARGS]  run the end-to-end demo (the main job)\n  \
              test         formatting, lints and every test in the workspace\n  \
-             bench [matmul|codec|stream|fuse]  run the benchmarks (all by default)\n  \
+             bench [matmul|codec|stream|fuse|engine]  run the benchmarks (all by default)\n  \
              encode-adapter SRC [--out FILE.zst] [--level N]\n  \
              decode-adapter FILE.zst DST\n  \
              adapter-info FILE.zst\n  \

@@ -168,7 +168,7 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
     let blas = interop_blas();
     let wanted = format!("{}\nblas={blas}", INTEROP_PACKAGES.join("\n"));
     if std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) && python.exists() {
-        return std::fs::canonicalize(python).ok();
+        return absolute(&python);
     }
     eprintln!(
         "xtask: setting up {} with {}",
@@ -193,7 +193,7 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
         swap_venv_blas(venv);
     }
     std::fs::write(&stamp, wanted).ok()?;
-    std::fs::canonicalize(python).ok()
+    absolute(&python)
 }
 
 /// The BLAS our MLX build links (see crates/mlx-sys/build/plan.rs).
@@ -258,4 +258,10 @@ pub fn actionlint() -> Result<std::path::PathBuf> {
         }
     }
     Ok(std::fs::canonicalize(tools)?)
+}
+
+/// `path` made absolute without resolving symlinks: a venv's `python3` is a
+/// symlink to the base interpreter, and following it would leave the venv.
+fn absolute(path: &Path) -> Option<std::path::PathBuf> {
+    std::env::current_dir().ok().map(|d| d.join(path))
 }
