@@ -3,8 +3,8 @@
 
 use mlx_rs::Array;
 
-use crate::error::{Error, Result};
-use crate::mapped::mlx_dtype_of;
+use crate::error::Result;
+use crate::mapped::{checked_dtype, checked_shape};
 
 /// An MLX array holding a copy of `data`: `shape` elements of `dtype`, little
 /// endian, as stored in safetensors. `key` names the tensor in errors.
@@ -14,18 +14,8 @@ pub fn array_from_bytes(
     shape: &[usize],
     data: &[u8],
 ) -> Result<Array> {
-    let mlx = mlx_dtype_of(dtype).ok_or_else(|| Error::UnsupportedDtype {
-        key: key.to_owned(),
-        dtype,
-    })?;
-    let dims: Vec<i32> = shape
-        .iter()
-        .map(|&d| i32::try_from(d))
-        .collect::<Result<_, _>>()
-        .map_err(|_| Error::ShapeTooLarge {
-            key: key.to_owned(),
-            shape: shape.to_vec(),
-        })?;
+    let mlx = checked_dtype(key, dtype)?;
+    let dims = checked_shape(key, shape)?;
     let expected = shape.iter().product::<usize>() * dtype.size();
     assert_eq!(
         data.len(),

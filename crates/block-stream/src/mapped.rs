@@ -63,25 +63,6 @@ impl MappedRange {
     }
 }
 
-fn mlx_dtype(dtype: Dtype) -> Option<mlx_sys::mlx_dtype> {
-    Some(match dtype {
-        Dtype::BOOL => mlx_sys::mlx_dtype__MLX_BOOL,
-        Dtype::U8 => mlx_sys::mlx_dtype__MLX_UINT8,
-        Dtype::I8 => mlx_sys::mlx_dtype__MLX_INT8,
-        Dtype::U16 => mlx_sys::mlx_dtype__MLX_UINT16,
-        Dtype::I16 => mlx_sys::mlx_dtype__MLX_INT16,
-        Dtype::F16 => mlx_sys::mlx_dtype__MLX_FLOAT16,
-        Dtype::BF16 => mlx_sys::mlx_dtype__MLX_BFLOAT16,
-        Dtype::U32 => mlx_sys::mlx_dtype__MLX_UINT32,
-        Dtype::I32 => mlx_sys::mlx_dtype__MLX_INT32,
-        Dtype::F32 => mlx_sys::mlx_dtype__MLX_FLOAT32,
-        Dtype::U64 => mlx_sys::mlx_dtype__MLX_UINT64,
-        Dtype::I64 => mlx_sys::mlx_dtype__MLX_INT64,
-        Dtype::F64 => mlx_sys::mlx_dtype__MLX_FLOAT64,
-        Dtype::F8_E4M3 | Dtype::F8_E5M2 => return None,
-    })
-}
-
 /// The mlx-rs dtype a safetensors dtype becomes.
 pub(crate) fn mlx_dtype_of(dtype: Dtype) -> Option<mlx_rs::Dtype> {
     use mlx_rs::Dtype as M;
@@ -101,6 +82,26 @@ pub(crate) fn mlx_dtype_of(dtype: Dtype) -> Option<mlx_rs::Dtype> {
         Dtype::F64 => M::Float64,
         Dtype::F8_E4M3 | Dtype::F8_E5M2 => return None,
     })
+}
+
+/// `dtype` as an MLX dtype, or an error naming `key`.
+pub(crate) fn checked_dtype(key: &str, dtype: Dtype) -> Result<mlx_rs::Dtype> {
+    mlx_dtype_of(dtype).ok_or_else(|| Error::UnsupportedDtype {
+        key: key.to_owned(),
+        dtype,
+    })
+}
+
+/// `shape` as MLX's 32-bit dimensions, or an error naming `key`.
+pub(crate) fn checked_shape(key: &str, shape: &[usize]) -> Result<Vec<i32>> {
+    shape
+        .iter()
+        .map(|&d| i32::try_from(d))
+        .collect::<Result<_, _>>()
+        .map_err(|_| Error::ShapeTooLarge {
+            key: key.to_owned(),
+            shape: shape.to_vec(),
+        })
 }
 
 /// Called by MLX when the last array over a range is freed.
@@ -131,19 +132,8 @@ pub(crate) struct TensorAt<'a> {
 /// own buffer at once and releases the mapping. The second value reports
 /// which happened, by comparing MLX's data pointer with ours.
 pub(crate) fn array_over(range: &Arc<MappedRange>, tensor: TensorAt<'_>) -> Result<(Array, bool)> {
-    let dtype = mlx_dtype(tensor.dtype).ok_or_else(|| Error::UnsupportedDtype {
-        key: tensor.key.to_owned(),
-        dtype: tensor.dtype,
-    })?;
-    let shape: Vec<i32> = tensor
-        .shape
-        .iter()
-        .map(|&d| i32::try_from(d))
-        .collect::<Result<_, _>>()
-        .map_err(|_| Error::ShapeTooLarge {
-            key: tensor.key.to_owned(),
-            shape: tensor.shape.to_vec(),
-        })?;
+    let dtype: mlx_sys::mlx_dtype = checked_dtype(tensor.key, tensor.dtype)?.into();
+    let shape = checked_shape(tensor.key, tensor.shape)?;
     let start = usize::try_from(tensor.file_offset - range.offset).expect("inside the range");
     assert!(
         start + tensor.len <= range.map.len(),

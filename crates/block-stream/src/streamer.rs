@@ -10,7 +10,7 @@ use st_mmap::{BlockIndex, BlockPrefix, SafetensorsSet};
 
 use crate::error::{Error, Result};
 use crate::lora::{BlockLoraSource, LoraFuser};
-use crate::mapped::{array_over, mlx_dtype_of, MappedRange, TensorAt};
+use crate::mapped::{array_over, checked_dtype, checked_shape, MappedRange, TensorAt};
 
 /// Streams transformer blocks from memory-mapped safetensors into one shared
 /// block module.
@@ -222,19 +222,8 @@ impl BlockStreamer {
             .header()
             .tensor(key)
             .expect("indexed");
-        let dtype = mlx_dtype_of(info.dtype).ok_or_else(|| Error::UnsupportedDtype {
-            key: key.to_owned(),
-            dtype: info.dtype,
-        })?;
-        let shape = info
-            .shape
-            .iter()
-            .map(|&d| i32::try_from(d))
-            .collect::<Result<_, _>>()
-            .map_err(|_| Error::ShapeTooLarge {
-                key: key.to_owned(),
-                shape: info.shape.clone(),
-            })?;
+        let dtype = checked_dtype(key, info.dtype)?;
+        let shape = checked_shape(key, &info.shape)?;
         Ok((param.to_owned(), shape, dtype))
     }
 
