@@ -60,3 +60,8 @@ pub use error::{Error, Result};
 pub use shuffle::{shuffle_bytes, unshuffle_bytes};
 pub use st_mmap::Dtype;
 pub use stream::{decode_stream, encode_stream, DecodeStats, EncodeStats, Ends, Progress};
+
+/// Compiles the README's example with the doc-tests, so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

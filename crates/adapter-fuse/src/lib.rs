@@ -5,13 +5,34 @@
 //! Why: an application ships a small adapter, not a fused model, and pays the
 //! fusing cost once per machine.
 //!
-//! ```no_run
+//! ```
 //! use adapter_codec::AdapterCodec;
 //!
-//! # fn main() -> Result<(), adapter_fuse::Error> {
-//! let codec = AdapterCodec::new("adapter/adapters.safetensors.zst", "adapter/adapter_config.json");
-//! let fused = adapter_fuse::ensure_fused("mlx-community/SmolLM2-135M-Instruct", &codec, "acme--fused")?;
-//! println!("fused model at {}", fused.display());
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # use safetensors::{serialize_to_file, tensor::TensorView, Dtype};
+//! # let tmp = tempfile::tempdir()?;
+//! # std::env::set_var("HF_HUB_CACHE", tmp.path().join("hub"));
+//! # let (model, adapter) = (tmp.path().join("model"), tmp.path().join("adapter"));
+//! # std::fs::create_dir_all(&model)?;
+//! # std::fs::create_dir_all(&adapter)?;
+//! # let (w, a, b) = (vec![0u8; 4 * 3 * 4], vec![0u8; 3 * 2 * 4], vec![0u8; 2 * 4 * 4]);
+//! # let w = [("m.q.weight", TensorView::new(Dtype::F32, vec![4, 3], &w)?)];
+//! # serialize_to_file(w, None, &model.join("model.safetensors"))?;
+//! # std::fs::write(model.join("config.json"), r#"{"model_type": "llama"}"#)?;
+//! # let a = ("m.q.lora_a", TensorView::new(Dtype::F32, vec![3, 2], &a)?);
+//! # let b = ("m.q.lora_b", TensorView::new(Dtype::F32, vec![2, 4], &b)?);
+//! # serialize_to_file([a, b], None, &adapter.join("adapters.safetensors"))?;
+//! # std::fs::write(adapter.join("adapter_config.json"), r#"{"lora_parameters": {"rank": 2, "scale": 2.0}}"#)?;
+//! # let model_repo = model.to_str().unwrap();
+//! // `model_repo`: a hub repo id such as "mlx-community/SmolLM2-135M-Instruct",
+//! // or a local model folder.
+//! let codec = AdapterCodec::new(adapter.join("adapters.safetensors.zst"), adapter.join("adapter_config.json"));
+//! # codec.encode(adapter.join("adapters.safetensors"))?;
+//! let fused = adapter_fuse::ensure_fused(model_repo, &codec, "acme--fused")?;
+//! assert!(fused.join("model.safetensors").is_file());
+//! // The entry is keyed by the adapter's digest; the next call is a hit.
+//! assert!(fused.ends_with(format!("snapshots/{}", codec.digest()?)));
+//! assert_eq!(adapter_fuse::ensure_fused(model_repo, &codec, "acme--fused")?, fused);
 //! # Ok(())
 //! # }
 //! ```
@@ -219,3 +240,8 @@ fn lock_entry(
     }
     Ok(file)
 }
+
+/// Compiles the README's example with the doc-tests, so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

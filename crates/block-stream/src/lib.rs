@@ -49,3 +49,8 @@ pub use error::{Error, Result};
 pub use lora::{BlockLoraSource, DenseLoraFuser, LoraFuser, LoraPair, QuantizedLoraFuser};
 pub use memory::ProcessMemory;
 pub use streamer::BlockStreamer;
+
+/// Compiles the README's example with the doc-tests, so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -54,3 +54,8 @@ pub use header::{
     json_len, parse_header, parse_header_json, Header, HeaderError, TensorInfo, MAX_HEADER_LEN,
 };
 pub use set::{SafetensorsSet, INDEX_FILE};
+
+/// Compiles the README's example with the doc-tests, so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
