@@ -5,6 +5,7 @@
 //! - `bench`: benchmarks.
 //! - `encode-adapter`, `decode-adapter`, `adapter-info`: the adapter codec.
 //! - `fixtures`, `import-gguf`: the real model (SmolLM2) for tests and demo.
+//! - `release --dry-run`, `release VERSION`: release checks and version bumps.
 //! - `prereqs`: install what the MLX build needs and do nothing else.
 //!
 //! Every command first makes sure the machine has what the MLX build needs,
@@ -13,6 +14,7 @@
 mod adapter;
 mod fixtures;
 mod prereqs;
+mod release;
 
 use std::process::Command;
 
@@ -33,7 +35,13 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     // Every command works on the workspace, wherever it was started from.
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+    // `cargo run` gives the manifest folder at run time; the compile-time one
+    // is wrong when a binary built in one checkout serves another (a shared
+    // CARGO_TARGET_DIR reuses it: path packages' builds are relocatable).
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into());
+    let root = manifest_dir
         .parent()
         .context("xtask lives inside the workspace")?;
     std::env::set_current_dir(root).context("entering the workspace root")?;
@@ -60,6 +68,7 @@ fn run() -> Result<()> {
             let flag = rest.iter().find(|a| *a == "--f32").map(String::as_str);
             fixtures::import(src.as_ref(), dst.as_ref(), flag)
         }
+        "release" => release::run(&rest),
         "encode-adapter" => adapter::encode(&rest),
         "decode-adapter" => adapter::decode(&rest),
         "adapter-info" => adapter::info(&rest),
@@ -148,6 +157,7 @@ fn run() -> Result<()> {
              adapter-info FILE.zst\n  \
              fixtures     download and import SmolLM2-135M-Instruct once\n  \
              import-gguf SRC.gguf DST [--f32]\n  \
+             release --dry-run | VERSION  check publishing / bump the version and changelog\n  \
              prereqs      install the system packages the MLX build needs"
         ),
     }
@@ -183,6 +193,7 @@ fn test() -> Result<()> {
         &["test", "--workspace", "--doc", "--", "--test-threads=1"],
         &[],
     )?;
+    examples()?;
     if has_nextest() {
         cargo(
             &[
@@ -207,6 +218,58 @@ fn test() -> Result<()> {
             ],
             &[],
         )?;
+    }
+    Ok(())
+}
+
+/// Runs every crate's example, so that they keep working; prints the last
+/// line each writes. The real-model ones need the SmolLM2 fixture.
+fn examples() -> Result<()> {
+    let fixture = std::env::var_os("MLX_LOWMEM_SMOLLM2").map(std::path::PathBuf::from);
+    let mut runs = vec![
+        ("adapter-codec", "roundtrip", vec![]),
+        ("block-stream", "device", vec![]),
+        ("adapter-fuse", "fuse", vec![]),
+    ];
+    match &fixture {
+        Some(dir) => {
+            runs.push((
+                "st-mmap",
+                "inspect",
+                vec![dir.join("q4").display().to_string()],
+            ));
+            runs.push((
+                "mlx-engine",
+                "answer",
+                vec![dir.join("f32").display().to_string()],
+            ));
+        }
+        None => eprintln!(
+            "xtask: SKIP examples st-mmap/inspect and mlx-engine/answer: no SmolLM2 fixture"
+        ),
+    }
+    for (package, example, args) in runs {
+        let out = Command::new(cargo_bin())
+            .args([
+                "run",
+                "--quiet",
+                "--package",
+                package,
+                "--example",
+                example,
+                "--",
+            ])
+            .args(&args)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("running example {package}/{example}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            eprintln!("{stdout}");
+            bail!("example {package}/{example} failed ({})", out.status);
+        }
+        let last = stdout.lines().last().unwrap_or_default();
+        eprintln!("xtask: example {package}/{example}: {last}");
     }
     Ok(())
 }
