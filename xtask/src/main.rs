@@ -115,9 +115,21 @@ fn run() -> Result<()> {
                 cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
             }
             if matches!(which, "all" | "fuse") {
+                std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
+                if let Some(python) = prereqs::interop_python() {
+                    std::env::set_var(INTEROP_PYTHON_VAR, python);
+                }
+                let args: Vec<String> = rest.iter().skip(1).cloned().collect();
                 cargo(
-                    &["bench", "--package", "adapter-fuse", "--bench", "fuse"],
-                    &[],
+                    &[
+                        "bench",
+                        "--package",
+                        "adapter-fuse",
+                        "--bench",
+                        "fuse",
+                        "--",
+                    ],
+                    &args,
                 )?;
             }
             if matches!(which, "all" | "engine") {

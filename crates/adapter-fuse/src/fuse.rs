@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
 use block_stream::{array_from_bytes, array_to_bytes};
@@ -139,14 +139,28 @@ fn block_err(e: block_stream::Error) -> Error {
     }
 }
 
+/// What the writer thread puts into a shard next.
+enum Piece {
+    /// Bytes of the base file, copied as they are.
+    Copy { at: u64, len: u64 },
+    /// A fused tensor.
+    Bytes(Vec<u8>),
+}
+
+/// How many fused tensors may wait for the writer: enough to keep it busy,
+/// few enough to keep memory near one module.
+const QUEUED_PIECES: usize = 2;
+
 /// Writes one output shard: the base header verbatim, each tensor either
 /// copied from the base file or replaced by its fused bytes (same dtype,
 /// shape and length, so the header stays valid).
 ///
-/// Untouched tensors are copied with positioned reads rather than through
-/// the map: mapped pages that were read stay in this process's resident set
-/// until the map goes, so copying a model through its map would make the
-/// process as large as the model.
+/// A writer thread does the file I/O while this thread (the one that owns
+/// MLX) fuses the next module: on a large model the copying and the
+/// matrix products take about as long as each other. Untouched tensors are
+/// copied with positioned I/O rather than through the map (mapped pages that
+/// were read stay in the resident set until the map goes, so copying a
+/// model through its map would make the process as large as the model).
 fn write_shard(
     file: &SafetensorsFile,
     out: &Path,
@@ -154,39 +168,100 @@ fn write_shard(
 ) -> Result<()> {
     let header = file.header();
     let source = fs::File::open(file.path()).map_err(io(file.path()))?;
-    let mut w = BufWriter::with_capacity(1 << 20, fs::File::create(out).map_err(io(out))?);
-    w.write_all(&file.bytes()[..header.data_start()])
-        .map_err(io(out))?;
-    let mut chunk = vec![0u8; 1 << 20];
-    for info in header.tensors() {
-        match fused(&info.name)? {
-            Some(bytes) => {
-                assert_eq!(
-                    bytes.len(),
-                    info.byte_len(),
-                    "{}: fused size differs",
-                    info.name
-                );
-                w.write_all(&bytes).map_err(io(out))?;
+    let target = fs::File::create(out).map_err(io(out))?;
+    let head = &file.bytes()[..header.data_start()];
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Piece>(QUEUED_PIECES);
+    std::thread::scope(|scope| {
+        let writer = scope.spawn(|| write_pieces(head, &source, file.path(), target, out, rx));
+        let produced = (|| {
+            let mut copy: Option<(u64, u64)> = None;
+            for info in header.tensors() {
+                let piece = match fused(&info.name)? {
+                    Some(bytes) => {
+                        assert_eq!(
+                            bytes.len(),
+                            info.byte_len(),
+                            "{}: fused size differs",
+                            info.name
+                        );
+                        Piece::Bytes(bytes)
+                    }
+                    None => {
+                        // Neighbouring untouched tensors are one copy.
+                        let at = (header.data_start() + info.data_offsets.0) as u64;
+                        let len = info.byte_len() as u64;
+                        copy = match copy {
+                            Some((start, n)) if start + n == at => Some((start, n + len)),
+                            other => {
+                                if let Some((at, len)) = other {
+                                    if tx.send(Piece::Copy { at, len }).is_err() {
+                                        return Ok(());
+                                    }
+                                }
+                                Some((at, len))
+                            }
+                        };
+                        continue;
+                    }
+                };
+                if let Some((at, len)) = copy.take() {
+                    if tx.send(Piece::Copy { at, len }).is_err() {
+                        return Ok(()); // the writer failed: its error follows
+                    }
+                }
+                if tx.send(piece).is_err() {
+                    return Ok(());
+                }
             }
-            None => {
-                let mut at = (header.data_start() + info.data_offsets.0) as u64;
-                let mut left = info.byte_len();
-                while left > 0 {
-                    let n = left.min(chunk.len());
-                    read_exact_at(&source, &mut chunk[..n], at).map_err(io(file.path()))?;
-                    w.write_all(&chunk[..n]).map_err(io(out))?;
-                    at += n as u64;
-                    left -= n;
+            if let Some((at, len)) = copy {
+                let _ = tx.send(Piece::Copy { at, len });
+            }
+            Ok(())
+        })();
+        drop(tx);
+        let written = writer
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        produced.and(written)
+    })
+}
+
+/// The writer thread: the header, then each piece in order. Synced with the
+/// rest of the folder at the end (`sync_files`).
+fn write_pieces(
+    head: &[u8],
+    source: &fs::File,
+    source_path: &Path,
+    target: fs::File,
+    out: &Path,
+    pieces: std::sync::mpsc::Receiver<Piece>,
+) -> Result<()> {
+    let mut w = BufWriter::with_capacity(1 << 20, target);
+    w.write_all(head).map_err(io(out))?;
+    for piece in pieces {
+        match piece {
+            Piece::Bytes(bytes) => w.write_all(&bytes).map_err(io(out))?,
+            Piece::Copy { at, len } => {
+                // `io::copy` from a file range: on Linux std makes this a
+                // `copy_file_range` (no copy through user space);
+                // elsewhere it reads straight into the writer's buffer.
+                let mut reader = source;
+                reader.seek(SeekFrom::Start(at)).map_err(io(source_path))?;
+                let copied = std::io::copy(&mut reader.take(len), &mut w).map_err(io(out))?;
+                if copied != len {
+                    return Err(Error::Io {
+                        path: source_path.to_path_buf(),
+                        source: std::io::ErrorKind::UnexpectedEof.into(),
+                    });
                 }
             }
         }
     }
-    let file = w.into_inner().map_err(|e| Error::Io {
+    w.into_inner().map_err(|e| Error::Io {
         path: out.to_path_buf(),
         source: e.into_error(),
     })?;
-    file.sync_all().map_err(io(out))
+    Ok(())
 }
 
 #[cfg(unix)]
@@ -296,7 +371,27 @@ pub(crate) fn fuse_model(
         serde_json::to_vec_pretty(&config).expect("json"),
     )
     .map_err(io(&out_config))?;
-    copy_other_files(base_dir, out)
+    copy_other_files(base_dir, out)?;
+    sync_files(out)
+}
+
+/// Makes every file in `dir` durable. Once, at the end, rather than after
+/// each file: the kernel writes shards back while later ones are fused, and
+/// only what is still dirty is waited for here.
+fn sync_files(dir: &Path) -> Result<()> {
+    for entry in fs::read_dir(dir).map_err(io(dir))? {
+        let path = entry.map_err(io(dir))?.path();
+        // Write access where possible: Windows flushes only handles that
+        // can write. A copied read-only file (`fs::copy` keeps the mode)
+        // is synced through a read handle, which Unix allows.
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .or_else(|_| fs::File::open(&path))
+            .and_then(|f| f.sync_all())
+            .map_err(io(&path))?;
+    }
+    Ok(())
 }
 
 /// Copies everything else a loader needs (tokenizer, generation config, chat
@@ -315,9 +410,6 @@ fn copy_other_files(base_dir: &Path, out: &Path) -> Result<()> {
         }
         let target = out.join(&name);
         fs::copy(&path, &target).map_err(io(&path))?;
-        fs::File::open(&target)
-            .and_then(|f| f.sync_all())
-            .map_err(io(&target))?;
     }
     Ok(())
 }

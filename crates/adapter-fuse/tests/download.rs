@@ -17,6 +17,17 @@ const MODULE: &str = "model.layers.0.self_attn.v_proj";
 /// endpoints hf-hub uses: repo info, and ranged file downloads. Counts the
 /// requests it answers. Loopback only; it stops with the test process.
 fn serve(files: HashMap<String, Vec<u8>>) -> (String, Arc<AtomicUsize>) {
+    serve_cutting(files, None)
+}
+
+/// [`serve`], except that the first download of `cut.0` that is more than a
+/// probe announces the whole length but sends only `cut.1` bytes of it,
+/// then closes the connection: a download interrupted half-way.
+fn serve_cutting(
+    files: HashMap<String, Vec<u8>>,
+    cut: Option<(&'static str, usize)>,
+) -> (String, Arc<AtomicUsize>) {
+    let mut cut = cut;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
     let hits = Arc::new(AtomicUsize::new(0));
@@ -76,8 +87,19 @@ fn serve(files: HashMap<String, Vec<u8>>) -> (String, Arc<AtomicUsize>) {
                 response.push_str("\r\n");
             }
             response.push_str("\r\n");
+            let file = path.strip_prefix(&file_prefix).unwrap_or_default();
+            let body = match cut {
+                Some((name, keep)) if name == file && body.len() > 1 => {
+                    cut = None;
+                    body[..keep].to_vec()
+                }
+                _ => body,
+            };
             let _ = stream.write_all(response.as_bytes());
             let _ = stream.write_all(&body);
+            // Closing (not just dropping one handle) is what tells the
+            // client that no more bytes are coming.
+            let _ = stream.shutdown(std::net::Shutdown::Both);
             let _ = reader.read(&mut [0u8; 0]);
         }
     });
@@ -199,4 +221,67 @@ fn unknown_repo_is_a_download_error() {
         matches!(&err, adapter_fuse::Error::Download { repo, .. } if repo == "org/missing"),
         "{err}"
     );
+}
+
+#[test]
+fn interrupted_download_is_an_error_then_resumes() {
+    let values: Vec<f32> = (0..256).map(|i| i as f32).collect();
+    let weights = tensors(&[
+        (&format!("{MODULE}.weight"), vec![3, 4], vec![1.0; 12]),
+        ("model.embed.weight", vec![256], values.clone()),
+    ]);
+    let half = weights.len() / 2;
+    let files: HashMap<String, Vec<u8>> = [
+        (
+            "config.json".to_owned(),
+            br#"{"model_type": "llama"}"#.to_vec(),
+        ),
+        ("model.safetensors".to_owned(), weights.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let (endpoint, _) = serve_cutting(files, Some(("model.safetensors", half)));
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("hub");
+    std::fs::create_dir_all(&root).unwrap();
+    std::env::set_var("HF_HUB_CACHE", &root);
+    std::env::set_var("HF_ENDPOINT", &endpoint);
+    std::env::remove_var("HF_HUB_OFFLINE");
+    let codec = codec(&dir.path().join("a"), 1.0);
+
+    let err = adapter_fuse::ensure_fused(REPO, &codec, "org--fused").unwrap_err();
+    assert!(
+        matches!(&err, adapter_fuse::Error::Download { repo, .. } if repo == REPO),
+        "{err}"
+    );
+    // Nothing that looks like a result: no fused entry, no base snapshot
+    // with the weights, no fuse folder left behind.
+    let names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.starts_with("models--org--fused") || n.starts_with(".fuse-")),
+        "{names:?}"
+    );
+    let snapshot = root.join("models--org--remote-base/snapshots").join(SHA);
+    assert!(!snapshot.join("model.safetensors").exists());
+
+    // The hub answers in full now: the next call completes the download
+    // (hf-hub resumes from its partial file) and fuses the whole weights.
+    let fused = adapter_fuse::ensure_fused(REPO, &codec, "org--fused").unwrap();
+    assert_eq!(
+        std::fs::read(snapshot.join("model.safetensors")).unwrap(),
+        weights
+    );
+    let out = st_mmap::SafetensorsFile::open(fused.join("model.safetensors")).unwrap();
+    let embed = out.tensor("model.embed.weight").unwrap();
+    let got: Vec<f32> = embed
+        .data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(got, values);
 }

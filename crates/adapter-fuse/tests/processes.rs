@@ -1,0 +1,290 @@
+//! ensure_fused across processes: concurrent callers, a lock left by a
+//! killed process, and processes killed at each step of a fuse.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use adapter_codec::AdapterCodec;
+use adapter_fuse::{ensure_fused, ensure_fused_with_progress, FuseProgress};
+use common::*;
+
+/// Not a test on its own: the body of the child processes below.
+#[test]
+fn child_fuse_entrypoint() {
+    let Ok(root) = std::env::var("FUSE_CHILD_ROOT") else {
+        return;
+    };
+    std::env::set_var("HF_HUB_CACHE", &root);
+    let adapter_dir = PathBuf::from(std::env::var("FUSE_CHILD_ADAPTER").unwrap());
+    let codec = AdapterCodec::new(
+        adapter_dir.join("adapters.safetensors.zst"),
+        adapter_dir.join("adapter_config.json"),
+    );
+    // FUSE_CHILD_HOLD_AT=N: announce each event, and hold still after the
+    // N-th so that the parent can kill this process at exactly that point.
+    let hold_at: Option<usize> = std::env::var("FUSE_CHILD_HOLD_AT")
+        .ok()
+        .map(|n| n.parse().unwrap());
+    let mut events = Vec::new();
+    let path = ensure_fused_with_progress(REPO, &codec, NS, |e: FuseProgress| {
+        if hold_at.is_some() {
+            println!("EVENT {e:?}");
+            std::io::Write::flush(&mut std::io::stdout()).unwrap();
+        }
+        events.push(e);
+        if hold_at == Some(events.len()) {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+    })
+    .unwrap();
+    println!("PATH {}", path.display());
+    println!("PUBLISHED {}", events.contains(&FuseProgress::Published));
+}
+
+#[test]
+fn concurrent_processes_fuse_once_and_share_the_result() {
+    let s = setup();
+    dense_base(&s.root);
+    adapter(&s.adapter_dir, CONFIG);
+    let spawn = || {
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_fuse_entrypoint",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("FUSE_CHILD_ROOT", &s.root)
+            .env("FUSE_CHILD_ADAPTER", &s.adapter_dir)
+            .output()
+            .unwrap()
+    };
+    let (first, second) = std::thread::scope(|scope| {
+        let a = scope.spawn(spawn);
+        let b = scope.spawn(spawn);
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let report = |o: &std::process::Output| {
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "{text}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let field = |name: &str| {
+            let line = text
+                .lines()
+                .find_map(|l| l.split_once(name).map(|(_, rest)| rest));
+            line.unwrap_or_else(|| panic!("no {name} line in the child's output:\n{text}"))
+                .trim()
+                .to_owned()
+        };
+        (field("PATH "), field("PUBLISHED "))
+    };
+    let (p1, pub1) = report(&first);
+    let (p2, pub2) = report(&second);
+    assert_eq!(p1, p2);
+    let published: HashMap<&str, usize> =
+        [pub1.as_str(), pub2.as_str()]
+            .iter()
+            .fold(HashMap::new(), |mut m, p| {
+                *m.entry(*p).or_default() += 1;
+                m
+            });
+    assert_eq!(
+        published.get("true"),
+        Some(&1),
+        "exactly one process fuses: {pub1} {pub2}"
+    );
+}
+
+/// Not a test on its own: a child that takes a lock and waits to be killed.
+#[test]
+fn child_lock_holder() {
+    let Ok(path) = std::env::var("LOCK_HOLDER_PATH") else {
+        return;
+    };
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    file.lock().unwrap();
+    println!("LOCKED");
+    std::io::Write::flush(&mut std::io::stdout()).unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(60));
+}
+
+#[test]
+fn a_lock_left_by_a_killed_process_does_not_block() {
+    use std::io::BufRead;
+    let s = setup();
+    dense_base(&s.root);
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let digest = codec.digest().unwrap();
+    let lock = s
+        .root
+        .join(".locks")
+        .join(format!("models--{NS}-{digest}.lock"));
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    std::fs::write(&lock, b"").unwrap();
+    let mut holder = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_lock_holder",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LOCK_HOLDER_PATH", &lock)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = holder.stdout.take().unwrap();
+    let locked = std::io::BufReader::new(stdout)
+        .lines()
+        .any(|l| l.unwrap().contains("LOCKED"));
+    assert!(locked, "the holder never took the lock");
+    // The holder dies without releasing anything itself.
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    let path = ensure_fused(REPO, &codec, NS).unwrap();
+    assert!(path.join("model.safetensors").is_file());
+}
+
+/// Four adapted modules (layers 0 to 3), so that a fuse has several steps.
+fn four_module_base_and_adapter(s: &Setup) -> AdapterCodec {
+    let module = |l: usize| format!("model.layers.{l}.self_attn.q_proj");
+    let mut base = Vec::new();
+    let mut lora = Vec::new();
+    for l in 0..4 {
+        let seed = l as u32 * 10;
+        base.push((
+            format!("{}.weight", module(l)),
+            vec![OUT, IN],
+            values(seed, OUT * IN, 1.0),
+        ));
+        lora.push((
+            format!("{}.lora_a", module(l)),
+            vec![IN, RANK],
+            values(seed + 1, IN * RANK, 0.5),
+        ));
+        lora.push((
+            format!("{}.lora_b", module(l)),
+            vec![RANK, OUT],
+            values(seed + 2, RANK * OUT, 0.5),
+        ));
+    }
+    let bytes = |list: &[(String, Vec<usize>, Vec<f32>)]| {
+        let list: Vec<_> = list
+            .iter()
+            .map(|(k, shape, v)| {
+                (
+                    k.as_str(),
+                    safetensors::Dtype::F32,
+                    shape.clone(),
+                    f32_bytes(v),
+                )
+            })
+            .collect();
+        safetensors_bytes(&list)
+    };
+    put_in_hub_cache(
+        &s.root,
+        REPO,
+        &[
+            ("config.json", br#"{"model_type": "llama"}"#.to_vec()),
+            ("model.safetensors", bytes(&base)),
+        ],
+    );
+    std::fs::write(s.adapter_dir.join("adapters.safetensors"), bytes(&lora)).unwrap();
+    std::fs::write(s.adapter_dir.join("adapter_config.json"), CONFIG).unwrap();
+    let codec = AdapterCodec::new(
+        s.adapter_dir.join("adapters.safetensors.zst"),
+        s.adapter_dir.join("adapter_config.json"),
+    );
+    codec
+        .encode(s.adapter_dir.join("adapters.safetensors"))
+        .unwrap();
+    codec
+}
+
+/// Kills a fusing process right after each of its progress events (and once
+/// before any), each time in a fresh cache; every time, the killed process
+/// leaves no entry, and the next call builds one equal to an uninterrupted
+/// fuse's.
+#[test]
+fn a_process_killed_at_any_step_leaves_no_entry_and_the_next_call_fuses() {
+    let clean = {
+        let s = setup();
+        let codec = four_module_base_and_adapter(&s);
+        std::fs::read(
+            ensure_fused(REPO, &codec, NS)
+                .unwrap()
+                .join("model.safetensors"),
+        )
+        .unwrap()
+    };
+    // Events: Fusing 1/4 .. 4/4, then Published; killing after Published
+    // kills a process that has finished its work.
+    for kill_after in 0..=4 {
+        let s = setup();
+        let codec = four_module_base_and_adapter(&s);
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_fuse_entrypoint",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("FUSE_CHILD_ROOT", &s.root)
+            .env("FUSE_CHILD_ADAPTER", &s.adapter_dir)
+            .env("FUSE_CHILD_HOLD_AT", kill_after.max(1).to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut seen = Vec::new();
+        if kill_after > 0 {
+            let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+            for line in lines {
+                let line = line.unwrap();
+                // libtest may print "test NAME ... " on the same line first.
+                if let Some((_, event)) = line.split_once("EVENT ") {
+                    seen.push(event.to_owned());
+                    if seen.len() == kill_after {
+                        break;
+                    }
+                }
+            }
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(seen.len(), kill_after, "events before the kill: {seen:?}");
+        if let Some(last) = seen.last() {
+            assert_eq!(last, &format!("Fusing {{ done: {kill_after}, total: 4 }}"));
+        }
+        let entry = s
+            .root
+            .join(format!("models--{NS}-{}", codec.digest().unwrap()));
+        assert!(
+            !entry.join("refs/main").exists(),
+            "killed after {kill_after} events, yet an entry is complete"
+        );
+        let path = ensure_fused(REPO, &codec, NS).unwrap();
+        let fused = std::fs::read(path.join("model.safetensors")).unwrap();
+        assert!(
+            fused == clean,
+            "killed after {kill_after} events: the retry differs"
+        );
+        let leftovers: Vec<_> = std::fs::read_dir(&s.root)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".fuse-"))
+            .collect();
+        assert!(
+            leftovers.is_empty(),
+            "killed after {kill_after} events: {leftovers:?}"
+        );
+    }
+}
