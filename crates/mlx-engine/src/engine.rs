@@ -104,8 +104,8 @@ impl std::fmt::Debug for Worker {
     }
 }
 
-/// A job for the worker; `None` when the model failed to load.
-type Job = Box<dyn FnOnce(Option<&mut Worker>) + Send>;
+/// A job for the worker, given the loaded worker or the load's error.
+type Job = Box<dyn FnOnce(Result<&mut Worker, &EngineError>) + Send>;
 
 enum Command {
     Run(Job),
@@ -171,7 +171,7 @@ impl MlxEngine {
                 let _ = load_tx.send(worker.as_ref().map(|_| ()).map_err(Clone::clone));
                 for command in rx {
                     match command {
-                        Command::Run(job) => job(worker.as_mut().ok()),
+                        Command::Run(job) => job(worker.as_mut().map_err(|e| &*e)),
                         Command::Close => break,
                     }
                 }
@@ -189,20 +189,51 @@ impl MlxEngine {
 
     /// Waits for the load to finish; returns its error (every time) or Ok.
     pub fn ensure_loaded(&self) -> Result<(), EngineError> {
+        self.ensure_loaded_async().wait()
+    }
+
+    /// [`ensure_loaded`](Self::ensure_loaded) as a [`Reply`]: resolves when
+    /// the load has finished, without blocking the caller.
+    pub fn ensure_loaded_async(&self) -> Reply<()> {
+        if let Some(loaded) = self.load_result(false) {
+            return Reply::ready(loaded);
+        }
+        // The worker runs jobs only after loading: this one sees the result.
+        let reply = self.send(|worker| worker.map(|_| ()).map_err(Clone::clone));
+        if self.tx.lock().expect("not poisoned").is_some() {
+            return reply;
+        }
+        // Closed: the worker has finished, and with it the load.
+        Reply::ready(self.load_result(true).unwrap_or(Err(EngineError::Closed)))
+    }
+
+    /// The load's result once the worker has sent it; `block` waits for it.
+    fn load_result(&self, block: bool) -> Option<Result<(), EngineError>> {
         let mut loaded = self.loaded.lock().expect("not poisoned");
         if loaded.is_none() {
-            let rx = self.load_rx.lock().expect("not poisoned").take();
-            let result = rx.map_or(Err(EngineError::Closed), |rx| {
-                rx.recv().unwrap_or(Err(EngineError::Closed))
-            });
-            *loaded = Some(result);
+            let mut slot = self.load_rx.lock().expect("not poisoned");
+            let received = match slot.take() {
+                None => Some(Err(EngineError::Closed)),
+                Some(rx) if block => Some(rx.recv().unwrap_or(Err(EngineError::Closed))),
+                Some(rx) => match rx.try_recv() {
+                    Ok(result) => Some(result),
+                    Err(oneshot::TryRecvError::Empty) => {
+                        *slot = Some(rx);
+                        None
+                    }
+                    Err(oneshot::TryRecvError::Disconnected) => Some(Err(EngineError::Closed)),
+                },
+            };
+            if received.is_some() {
+                *loaded = received;
+            }
         }
-        loaded.clone().expect("set above")
+        loaded.clone()
     }
 
     fn send<T: Send + 'static>(
         &self,
-        job: impl FnOnce(Option<&mut Worker>) -> Result<T, EngineError> + Send + 'static,
+        job: impl FnOnce(Result<&mut Worker, &EngineError>) -> Result<T, EngineError> + Send + 'static,
     ) -> Reply<T> {
         let (reply_tx, reply_rx) = oneshot::channel();
         let command = Command::Run(Box::new(move |worker| {
@@ -223,19 +254,12 @@ impl MlxEngine {
         }
     }
 
-    fn load_error(&self) -> Option<EngineError> {
-        self.ensure_loaded().err()
-    }
-
     /// Runs `job` on the worker with the model and tokenizer.
     pub fn submit<T: Send + 'static>(
         &self,
         job: impl FnOnce(&mut Worker) -> T + Send + 'static,
     ) -> Reply<T> {
-        if let Some(e) = self.load_error() {
-            return Reply::ready(Err(e));
-        }
-        self.send(move |worker| worker.map(job).ok_or(EngineError::Closed))
+        self.send(move |worker| worker.map(job).map_err(Clone::clone))
     }
 
     /// Generates up to `max_tokens` tokens (greedy) for each conversation,
@@ -246,12 +270,9 @@ impl MlxEngine {
         on_progress: impl FnMut(usize) + Send + 'static,
         max_tokens: usize,
     ) -> Reply<Vec<String>> {
-        if let Some(e) = self.load_error() {
-            return Reply::ready(Err(e));
-        }
         let mut on_progress = on_progress;
         self.send(move |worker| {
-            let worker = worker.ok_or(EngineError::Closed)?;
+            let worker = worker.map_err(Clone::clone)?;
             generate_batch(worker, &conversations, max_tokens, &mut on_progress)
                 .map(|(texts, _)| texts)
         })
@@ -264,12 +285,9 @@ impl MlxEngine {
         on_progress: impl FnMut(usize) + Send + 'static,
         max_tokens: usize,
     ) -> Reply<(Vec<String>, GenerationStats)> {
-        if let Some(e) = self.load_error() {
-            return Reply::ready(Err(e));
-        }
         let mut on_progress = on_progress;
         self.send(move |worker| {
-            let worker = worker.ok_or(EngineError::Closed)?;
+            let worker = worker.map_err(Clone::clone)?;
             generate_batch(worker, &conversations, max_tokens, &mut on_progress)
         })
     }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::Array;
 
 use crate::engine::{EngineError, LogitsProcessor, Worker};
@@ -36,7 +36,7 @@ impl GenState {
         let mut prefix_cache = KvCache::new();
         if !prefix_tokens.is_empty() {
             let ids: Vec<i32> = prefix_tokens.iter().map(|&t| t as i32).collect();
-            let logits = model.forward(
+            let logits = model.forward_last(
                 &Array::from_slice(&ids, &[1, ids.len() as i32]),
                 &mut prefix_cache,
                 None,
@@ -169,12 +169,11 @@ fn generate_chunk(
     cache.pads = pads.iter().map(|&p| p as i32).collect();
     let holes: Vec<(usize, usize)> = pads.iter().map(|&p| (prefix_len, p)).collect();
     let mask = causal_mask_with_holes(&holes, prefix_len, width);
-    let logits = model.forward(
+    let mut last = model.forward_last(
         &Array::from_slice(&block, &[b as i32, width as i32]),
         &mut cache,
         Some(&mask),
     )?;
-    let mut last = logits.index((.., width as i32 - 1, ..));
     let eos = state.eos.clone();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
@@ -200,12 +199,11 @@ fn generate_chunk(
         }
         let cached = cache.offset as usize;
         let mask = causal_mask_with_holes(&holes, cached, 1);
-        let logits = model.forward(
+        last = model.forward_last(
             &Array::from_slice(&ids, &[b as i32, 1]),
             &mut cache,
             Some(&mask),
         )?;
-        last = logits.index((.., 0, ..));
     }
     Ok(out)
 }

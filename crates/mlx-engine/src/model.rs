@@ -4,6 +4,7 @@ use std::path::Path;
 
 use block_stream::array_from_bytes;
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, dequantize, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 use st_mmap::SafetensorsSet;
@@ -271,6 +272,36 @@ impl Model {
         cache: &mut KvCache,
         mask: Option<&Array>,
     ) -> Result<Array> {
+        let x = self.hidden(tokens, cache, mask)?;
+        self.head(&x)
+    }
+
+    /// As [`forward`](Self::forward), but the logits `(B, vocab)` of the
+    /// last position only: what prefill needs. The output projection of
+    /// every position would cost a `(B·L, vocab)` matrix (vocabularies are
+    /// large: 49 152 for SmolLM2) that is thrown away.
+    pub fn forward_last(
+        &self,
+        tokens: &Array,
+        cache: &mut KvCache,
+        mask: Option<&Array>,
+    ) -> Result<Array> {
+        let x = self.hidden(tokens, cache, mask)?;
+        self.head(&x.index((.., -1, ..)))
+    }
+
+    /// The final norm and the output projection (or the tied embedding).
+    fn head(&self, x: &Array) -> Result<Array> {
+        let x = fast::rms_norm(x, Some(&self.norm), self.config.rms_norm_eps)?;
+        Ok(match &self.lm_head {
+            Some(head) => head.forward(&x)?,
+            None => x.matmul(self.embed.t())?,
+        })
+    }
+
+    /// The last decoder layer's output `(B, L, hidden)`, before the final
+    /// norm; extends `cache`.
+    fn hidden(&self, tokens: &Array, cache: &mut KvCache, mask: Option<&Array>) -> Result<Array> {
         let c = &self.config;
         let (b, l) = (tokens.dim(0), tokens.dim(1));
         let (heads, kv_heads, hd) = (
@@ -344,11 +375,7 @@ impl Model {
             x = x1.add(layer.down.forward(&gated)?)?;
         }
         cache.offset += l;
-        let x = fast::rms_norm(&x, Some(&self.norm), c.rms_norm_eps)?;
-        Ok(match &self.lm_head {
-            Some(head) => head.forward(&x)?,
-            None => x.matmul(self.embed.t())?,
-        })
+        Ok(x)
     }
 }
 

@@ -135,6 +135,26 @@ fn cached_decoding_equals_the_full_prompt() {
 }
 
 #[test]
+fn last_position_logits_equal_the_full_forwards_last_row() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "llama");
+    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let batch = Array::from_slice(&[PROMPT, [7, 6, 5, 4, 3, 2, 1]].concat(), &[2, 7]);
+    let full = model.forward(&batch, &mut KvCache::new(), None).unwrap();
+    let mut cache = KvCache::new();
+    let last = model.forward_last(&batch, &mut cache, None).unwrap();
+    assert_eq!(last.shape(), &[2, full.dim(2)]);
+    assert_eq!(cache.offset, 7);
+    for row in 0..2 {
+        use mlx_rs::ops::indexing::IndexOp;
+        let got = last.index((row, ..));
+        got.eval().unwrap();
+        let got: Vec<f32> = got.as_slice::<f32>().to_vec();
+        assert_close(&got, &last_logits(&full, row), 1e-5, "forward_last");
+    }
+}
+
+#[test]
 fn shared_prefix_cache_equals_the_full_prompt_for_every_row() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), "llama");

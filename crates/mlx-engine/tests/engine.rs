@@ -330,6 +330,58 @@ fn replies_are_futures_too() {
     assert_eq!(texts, engine.generate(conversations(), |_| {}, 2).unwrap());
 }
 
+/// Replies are plain futures: a tokio runtime drives them through their
+/// wakers (a reply that never woke its task would run into the timeout).
+#[test]
+fn replies_resolve_under_tokio() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path());
+    let empty = tempfile::tempdir().unwrap();
+    let broken = engine(empty.path(), 2);
+    let engine = engine(dir.path(), 2);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    fn within<F: std::future::Future>(reply: F) -> tokio::time::Timeout<F> {
+        tokio::time::timeout(std::time::Duration::from_secs(120), reply)
+    }
+    let (texts, count, failed_load, failed_generate) = runtime.block_on(async {
+        within(engine.ensure_loaded_async())
+            .await
+            .expect("woken")
+            .unwrap();
+        let texts = within(engine.generate_async(conversations(), |_| {}, 2));
+        let count = within(engine.submit(|w| w.model.config().num_hidden_layers));
+        let failed_load = within(broken.ensure_loaded_async());
+        let failed_generate = within(broken.generate_async(conversations(), |_| {}, 1));
+        (
+            texts.await.expect("woken"),
+            count.await.expect("woken"),
+            failed_load.await.expect("woken"),
+            failed_generate.await.expect("woken"),
+        )
+    });
+    assert_eq!(
+        texts.unwrap(),
+        engine.generate(conversations(), |_| {}, 2).unwrap()
+    );
+    assert_eq!(count.unwrap(), 2);
+    assert!(
+        matches!(failed_load, Err(EngineError::Load(_))),
+        "{failed_load:?}"
+    );
+    assert!(
+        matches!(failed_generate, Err(EngineError::Load(_))),
+        "{failed_generate:?}"
+    );
+    engine.close();
+    let closed = runtime
+        .block_on(async { within(engine.submit(|_| ())).await })
+        .expect("woken");
+    assert!(matches!(closed, Err(EngineError::Closed)));
+}
+
 #[test]
 fn statistics_and_memory_are_reported() {
     let dir = tempfile::tempdir().unwrap();
