@@ -20,12 +20,67 @@ pub(crate) struct Quantization {
     pub bits: i32,
 }
 
-fn quantization(config: &serde_json::Value) -> Option<Quantization> {
-    let q = config.get("quantization")?;
-    Some(Quantization {
-        group_size: q.get("group_size")?.as_i64()? as i32,
-        bits: q.get("bits")?.as_i64()? as i32,
-    })
+impl Quantization {
+    fn from_json(q: &serde_json::Value) -> Option<Quantization> {
+        Some(Quantization {
+            group_size: q.get("group_size")?.as_i64()? as i32,
+            bits: q.get("bits")?.as_i64()? as i32,
+        })
+    }
+}
+
+/// A base's quantization as mlx_lm writes it in `config.json`: a default
+/// `{group_size, bits}`, and per-module entries (keyed by the module's
+/// path) that override it with their own `{group_size, bits}`, or with
+/// `false` for a module left unquantized.
+#[derive(Debug, Default)]
+pub(crate) struct QuantizationConfig {
+    default: Option<Quantization>,
+    modules: HashMap<String, Option<Quantization>>,
+}
+
+impl QuantizationConfig {
+    fn from_config(config: &serde_json::Value, path: &Path) -> Result<QuantizationConfig> {
+        let Some(q) = config.get("quantization") else {
+            return Ok(QuantizationConfig::default());
+        };
+        let bad = |message: String| Error::Json {
+            path: path.to_path_buf(),
+            message,
+        };
+        match q.get("mode").and_then(|m| m.as_str()) {
+            None | Some("affine") => {}
+            Some(mode) => {
+                return Err(bad(format!(
+                    "quantization mode {mode:?} is not supported; only \"affine\" is"
+                )))
+            }
+        }
+        let mut modules = HashMap::new();
+        for (key, value) in q.as_object().into_iter().flatten() {
+            match value {
+                serde_json::Value::Bool(false) => {
+                    modules.insert(key.clone(), None);
+                }
+                serde_json::Value::Object(_) => {
+                    let own = Quantization::from_json(value).ok_or_else(|| {
+                        bad(format!("quantization of {key:?} needs group_size and bits"))
+                    })?;
+                    modules.insert(key.clone(), Some(own));
+                }
+                _ => {}
+            }
+        }
+        Ok(QuantizationConfig {
+            default: Quantization::from_json(q),
+            modules,
+        })
+    }
+
+    /// How `module`'s weight is quantized, if it is.
+    fn of(&self, module: &str) -> Option<Quantization> {
+        self.modules.get(module).copied().unwrap_or(self.default)
+    }
 }
 
 fn array(view: &TensorView<'_>) -> Result<Array> {
@@ -298,7 +353,7 @@ pub(crate) fn fuse_model(
             path: config_path.clone(),
             message: e.to_string(),
         })?;
-    let quant = quantization(&config);
+    let quant = QuantizationConfig::from_config(&config, &config_path)?;
     let base = SafetensorsSet::open_dir(base_dir)?;
     let adapter = LoraAdapter::open(adapter_dir)?;
 
@@ -332,7 +387,7 @@ pub(crate) fn fuse_model(
             let Some(module) = touched.get(key) else {
                 return Ok(None);
             };
-            let mut fused = fuse_module(module, &adapter, &base, quant)?;
+            let mut fused = fuse_module(module, &adapter, &base, quant.of(module))?;
             done += 1;
             progress(done, total);
             let mine = fused.remove(key);

@@ -106,6 +106,18 @@ fn serve_cutting(
     (endpoint, hits)
 }
 
+/// A temp dir with an empty hub cache in `hub/`, and this process pointed
+/// at it and at `endpoint` (each test runs in its own process).
+fn hub_at(endpoint: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("hub");
+    std::fs::create_dir_all(&root).unwrap();
+    std::env::set_var("HF_HUB_CACHE", &root);
+    std::env::set_var("HF_ENDPOINT", endpoint);
+    std::env::remove_var("HF_HUB_OFFLINE");
+    (dir, root)
+}
+
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -158,12 +170,7 @@ fn base_is_downloaded_once_then_used_offline() {
     .into_iter()
     .collect();
     let (endpoint, hits) = serve(files);
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("hub");
-    std::fs::create_dir_all(&root).unwrap();
-    std::env::set_var("HF_HUB_CACHE", &root);
-    std::env::set_var("HF_ENDPOINT", &endpoint);
-    std::env::remove_var("HF_HUB_OFFLINE");
+    let (dir, root) = hub_at(&endpoint);
 
     let fused = adapter_fuse::ensure_fused(REPO, &codec(&dir.path().join("a1"), 1.0), "org--fused")
         .unwrap();
@@ -205,12 +212,7 @@ fn base_is_downloaded_once_then_used_offline() {
 #[test]
 fn unknown_repo_is_a_download_error() {
     let (endpoint, _) = serve(HashMap::new());
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("hub");
-    std::fs::create_dir_all(&root).unwrap();
-    std::env::set_var("HF_HUB_CACHE", &root);
-    std::env::set_var("HF_ENDPOINT", &endpoint);
-    std::env::remove_var("HF_HUB_OFFLINE");
+    let (dir, _root) = hub_at(&endpoint);
     let err = adapter_fuse::ensure_fused(
         "org/missing",
         &codec(&dir.path().join("a"), 1.0),
@@ -241,12 +243,7 @@ fn interrupted_download_is_an_error_then_resumes() {
     .into_iter()
     .collect();
     let (endpoint, _) = serve_cutting(files, Some(("model.safetensors", half)));
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("hub");
-    std::fs::create_dir_all(&root).unwrap();
-    std::env::set_var("HF_HUB_CACHE", &root);
-    std::env::set_var("HF_ENDPOINT", &endpoint);
-    std::env::remove_var("HF_HUB_OFFLINE");
+    let (dir, root) = hub_at(&endpoint);
     let codec = codec(&dir.path().join("a"), 1.0);
 
     let err = adapter_fuse::ensure_fused(REPO, &codec, "org--fused").unwrap_err();

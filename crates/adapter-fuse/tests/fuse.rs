@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use adapter_codec::AdapterCodec;
 use adapter_fuse::{ensure_fused, ensure_fused_with_progress, Error, FuseProgress};
 use half::bf16;
 use mlx_rs::Array;
@@ -192,6 +193,153 @@ fn quantized_4bit_base_is_dequantized_fused_and_requantized() {
 #[test]
 fn quantized_8bit_base_is_dequantized_fused_and_requantized() {
     quantized_case(8);
+}
+
+/// mlx_lm's mixed quantization: a default `{group_size, bits}` and
+/// per-module entries, `{...}` of their own or `false` for a dense module.
+#[test]
+fn per_module_quantization_overrides_are_honoured() {
+    let s = setup();
+    let module = |p: &str| format!("model.layers.0.self_attn.{p}_proj");
+    // q: the default 4-bit, group 32; v: 8-bit, group 64; k: dense f32.
+    let plan = [("q", Some((32, 4))), ("v", Some((64, 8))), ("k", None)];
+    let mut arrays: Vec<(String, Array)> = Vec::new();
+    let mut lora = Vec::new();
+    let mut originals = Vec::new();
+    for (i, (p, quant)) in plan.iter().enumerate() {
+        let seed = 100 + 10 * i as u32;
+        let w = Array::from_slice(&values(seed, OUT * IN, 1.0), &[OUT as i32, IN as i32]);
+        match quant {
+            Some((group, bits)) => {
+                let (qw, qs, qb) = mlx_rs::ops::quantize(&w, *group, *bits).unwrap();
+                arrays.push((format!("{}.weight", module(p)), qw));
+                arrays.push((format!("{}.scales", module(p)), qs));
+                arrays.push((format!("{}.biases", module(p)), qb));
+            }
+            None => arrays.push((format!("{}.weight", module(p)), w)),
+        }
+        let (a, b) = (
+            values(seed + 1, IN * RANK, 0.5),
+            values(seed + 2, RANK * OUT, 0.5),
+        );
+        lora.push((
+            format!("{}.lora_a", module(p)),
+            vec![IN, RANK],
+            f32_bytes(&a),
+        ));
+        lora.push((
+            format!("{}.lora_b", module(p)),
+            vec![RANK, OUT],
+            f32_bytes(&b),
+        ));
+        originals.push((a, b));
+    }
+    let file = s.root.join("mixed.safetensors");
+    Array::save_safetensors(arrays.iter().map(|(k, v)| (k.as_str(), v)), None, &file).unwrap();
+    let config = format!(
+        r#"{{"model_type": "llama", "quantization": {{"group_size": 32, "bits": 4, "{}": {{"group_size": 64, "bits": 8}}, "{}": false}}}}"#,
+        module("v"),
+        module("k")
+    );
+    put_in_hub_cache(
+        &s.root,
+        REPO,
+        &[
+            ("config.json", config.into_bytes()),
+            ("model.safetensors", std::fs::read(&file).unwrap()),
+        ],
+    );
+    let lora: Vec<_> = lora
+        .iter()
+        .map(|(k, shape, b)| {
+            (
+                k.as_str(),
+                safetensors::Dtype::F32,
+                shape.clone(),
+                b.clone(),
+            )
+        })
+        .collect();
+    std::fs::write(
+        s.adapter_dir.join("adapters.safetensors"),
+        safetensors_bytes(&lora),
+    )
+    .unwrap();
+    std::fs::write(s.adapter_dir.join("adapter_config.json"), CONFIG).unwrap();
+    let codec = AdapterCodec::new(
+        s.adapter_dir.join("adapters.safetensors.zst"),
+        s.adapter_dir.join("adapter_config.json"),
+    );
+    codec
+        .encode(s.adapter_dir.join("adapters.safetensors"))
+        .unwrap();
+    let path = ensure_fused(REPO, &codec, NS).unwrap();
+
+    let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
+    let load = |key: String| {
+        let v = fused.tensor(&key).unwrap();
+        block_stream::array_from_bytes(&key, v.dtype, v.shape, v.data).unwrap()
+    };
+    let dense = |key: String| -> Vec<f32> {
+        let w = arrays.iter().find(|(k, _)| *k == key).unwrap().1.clone();
+        w.eval().unwrap();
+        w.as_slice::<f32>().to_vec()
+    };
+    for ((p, quant), (a, b)) in plan.iter().zip(&originals) {
+        let d = delta(a, b);
+        let m = module(p);
+        match quant {
+            Some((group, bits)) => {
+                let deq = |w: &Array, sc: &Array, bi: &Array| {
+                    let x = mlx_rs::ops::dequantize(w, sc, bi, *group, *bits).unwrap();
+                    x.eval().unwrap();
+                    x.as_slice::<f32>().to_vec()
+                };
+                let original = |t: &str| {
+                    arrays
+                        .iter()
+                        .find(|(k, _)| *k == format!("{m}.{t}"))
+                        .unwrap()
+                        .1
+                        .clone()
+                };
+                let before = deq(
+                    &original("weight"),
+                    &original("scales"),
+                    &original("biases"),
+                );
+                let scales = load(format!("{m}.scales"));
+                let after = deq(
+                    &load(format!("{m}.weight")),
+                    &scales,
+                    &load(format!("{m}.biases")),
+                );
+                scales.eval().unwrap();
+                let steps = scales.as_slice::<f32>().to_vec();
+                for k in 0..OUT * IN {
+                    let want = f64::from(before[k]) + d[k];
+                    let step = f64::from(steps[k / *group as usize].abs());
+                    assert!(
+                        (f64::from(after[k]) - want).abs() <= step + 1e-6,
+                        "{m} ({bits}-bit) element {k}: {} vs {want}",
+                        after[k]
+                    );
+                }
+            }
+            None => {
+                assert!(fused.tensor(&format!("{m}.scales")).is_none());
+                let before = dense(format!("{m}.weight"));
+                let after = read_f32(&fused, &format!("{m}.weight"));
+                for k in 0..OUT * IN {
+                    let want = f64::from(before[k]) + d[k];
+                    assert!(
+                        (f64::from(after[k]) - want).abs() <= 1e-5,
+                        "{m} element {k}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]

@@ -45,24 +45,27 @@ fn child_fuse_entrypoint() {
     println!("PUBLISHED {}", events.contains(&FuseProgress::Published));
 }
 
+/// This test binary, run as `child_fuse_entrypoint` on `s`'s cache.
+fn child_fuse(s: &Setup) -> Command {
+    let mut child = Command::new(std::env::current_exe().unwrap());
+    child
+        .args([
+            "--exact",
+            "child_fuse_entrypoint",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("FUSE_CHILD_ROOT", &s.root)
+        .env("FUSE_CHILD_ADAPTER", &s.adapter_dir);
+    child
+}
+
 #[test]
 fn concurrent_processes_fuse_once_and_share_the_result() {
     let s = setup();
     dense_base(&s.root);
     adapter(&s.adapter_dir, CONFIG);
-    let spawn = || {
-        Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_fuse_entrypoint",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("FUSE_CHILD_ROOT", &s.root)
-            .env("FUSE_CHILD_ADAPTER", &s.adapter_dir)
-            .output()
-            .unwrap()
-    };
+    let spawn = || child_fuse(&s).output().unwrap();
     let (first, second) = std::thread::scope(|scope| {
         let a = scope.spawn(spawn);
         let b = scope.spawn(spawn);
@@ -230,15 +233,7 @@ fn a_process_killed_at_any_step_leaves_no_entry_and_the_next_call_fuses() {
     for kill_after in 0..=4 {
         let s = setup();
         let codec = four_module_base_and_adapter(&s);
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "child_fuse_entrypoint",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("FUSE_CHILD_ROOT", &s.root)
-            .env("FUSE_CHILD_ADAPTER", &s.adapter_dir)
+        let mut child = child_fuse(&s)
             .env("FUSE_CHILD_HOLD_AT", kill_after.max(1).to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
