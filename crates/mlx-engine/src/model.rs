@@ -179,6 +179,49 @@ impl KvCache {
             pads: vec![0; n as usize],
         })
     }
+
+    /// Stacks caches along the batch axis. Those shorter than the longest
+    /// get zero slots inserted at position `at` (e.g. after a shared
+    /// prefix), counted as padding: rotary positions are unchanged, and the
+    /// mask must hide slots `at..at + pad` of each row.
+    pub fn stack(parts: Vec<KvCache>, at: i32) -> Result<KvCache> {
+        let offset = parts.iter().map(|c| c.offset).max().unwrap_or(0);
+        let layer_count = parts.iter().map(|c| c.layers.len()).max().unwrap_or(0);
+        let mut layers = Vec::with_capacity(layer_count);
+        for layer in 0..layer_count {
+            let mut keys = Vec::with_capacity(parts.len());
+            let mut values = Vec::with_capacity(parts.len());
+            for part in &parts {
+                let Some(Some((k, v))) = part.layers.get(layer) else {
+                    let what = format!("cannot stack caches: layer {layer} is empty in one");
+                    return Err(mlx_rs::error::Exception::custom(what).into());
+                };
+                let extra = offset - part.offset;
+                let widen = |a: &Array| -> Result<Array> {
+                    if extra == 0 {
+                        return Ok(a.clone());
+                    }
+                    let shape = a.shape();
+                    let gap = Array::zeros::<f32>(&[shape[0], shape[1], extra, shape[3]])?
+                        .as_dtype(a.dtype())?;
+                    let (head, tail) = (a.index((.., .., ..at, ..)), a.index((.., .., at.., ..)));
+                    Ok(concatenate(&[head, gap, tail], 2)?)
+                };
+                keys.push(widen(k)?);
+                values.push(widen(v)?);
+            }
+            layers.push(Some((concatenate(&keys, 0)?, concatenate(&values, 0)?)));
+        }
+        let pads = parts
+            .iter()
+            .flat_map(|c| c.pads.iter().map(move |p| p + offset - c.offset))
+            .collect();
+        Ok(KvCache {
+            layers,
+            offset,
+            pads,
+        })
+    }
 }
 
 /// A loaded decoder model.

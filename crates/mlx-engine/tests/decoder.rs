@@ -395,3 +395,57 @@ fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
         );
     }
 }
+
+/// Rows prefilled apart (no padding) and stacked into one cache decode as
+/// each row would alone: the stack pads the shorter after the prefix.
+#[test]
+fn stacked_caches_decode_like_each_row_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "qwen2");
+    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let prefix = [3, 17, 42, 8];
+    let mut shared = KvCache::new();
+    model.forward(&tokens(&prefix), &mut shared, None).unwrap();
+    let rows: [&[i32]; 3] = [&[5, 9], &[8, 8, 1, 2, 3], &[7]];
+    let parts: Vec<KvCache> = rows
+        .iter()
+        .map(|row| {
+            let mut cache = shared.repeat_batch(1).unwrap();
+            model.forward(&tokens(row), &mut cache, None).unwrap();
+            cache
+        })
+        .collect();
+    let mut cache = KvCache::stack(parts, prefix.len() as i32).unwrap();
+    assert_eq!(cache.offset, (prefix.len() + 5) as i32);
+    assert_eq!(cache.pads, [3, 0, 4]);
+    let next = [21, 22, 23];
+    let holes: Vec<(usize, usize)> = cache
+        .pads
+        .iter()
+        .map(|&p| (prefix.len(), p as usize))
+        .collect();
+    let mask = mlx_engine::causal_mask_with_holes(&holes, cache.offset as usize, 1);
+    let logits = model
+        .forward(&Array::from_slice(&next, &[3, 1]), &mut cache, Some(&mask))
+        .unwrap();
+    for (i, row) in rows.iter().enumerate() {
+        let full: Vec<i32> = prefix
+            .iter()
+            .chain(row.iter())
+            .chain([&next[i]])
+            .copied()
+            .collect();
+        let want = last_logits(
+            &model
+                .forward(&tokens(&full), &mut KvCache::new(), None)
+                .unwrap(),
+            0,
+        );
+        assert_close(
+            &last_logits(&logits, i as i32),
+            &want,
+            1e-4,
+            &format!("row {i}"),
+        );
+    }
+}
