@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use adapter_codec::AdapterCodec;
 use adapter_fuse::{ensure_fused, ensure_fused_with_progress, Error, FuseProgress};
 use half::bf16;
 use mlx_rs::Array;
@@ -260,19 +259,7 @@ fn per_module_quantization_overrides_are_honoured() {
             )
         })
         .collect();
-    std::fs::write(
-        s.adapter_dir.join("adapters.safetensors"),
-        safetensors_bytes(&lora),
-    )
-    .unwrap();
-    std::fs::write(s.adapter_dir.join("adapter_config.json"), CONFIG).unwrap();
-    let codec = AdapterCodec::new(
-        s.adapter_dir.join("adapters.safetensors.zst"),
-        s.adapter_dir.join("adapter_config.json"),
-    );
-    codec
-        .encode(s.adapter_dir.join("adapters.safetensors"))
-        .unwrap();
+    let codec = encode_adapter(&s.adapter_dir, safetensors_bytes(&lora), CONFIG);
     let path = ensure_fused(REPO, &codec, NS).unwrap();
 
     let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();

@@ -200,16 +200,7 @@ fn four_module_base_and_adapter(s: &Setup) -> AdapterCodec {
             ("model.safetensors", bytes(&base)),
         ],
     );
-    std::fs::write(s.adapter_dir.join("adapters.safetensors"), bytes(&lora)).unwrap();
-    std::fs::write(s.adapter_dir.join("adapter_config.json"), CONFIG).unwrap();
-    let codec = AdapterCodec::new(
-        s.adapter_dir.join("adapters.safetensors.zst"),
-        s.adapter_dir.join("adapter_config.json"),
-    );
-    codec
-        .encode(s.adapter_dir.join("adapters.safetensors"))
-        .unwrap();
-    codec
+    encode_adapter(&s.adapter_dir, bytes(&lora), CONFIG)
 }
 
 /// Kills a fusing process right after each of its progress events (and once

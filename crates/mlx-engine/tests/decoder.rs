@@ -102,6 +102,12 @@ fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     assert!(worst <= tol, "{what}: max |difference| {worst} > {tol}");
 }
 
+/// The last position's logits of `ids` run alone, from an empty cache.
+fn alone(model: &Model, ids: &[i32]) -> Vec<f32> {
+    let logits = model.forward(&tokens(ids), &mut KvCache::new(), None);
+    last_logits(&logits.unwrap(), 0)
+}
+
 fn tokens(ids: &[i32]) -> Array {
     Array::from_slice(ids, &[1, ids.len() as i32])
 }
@@ -170,12 +176,7 @@ fn shared_prefix_cache_equals_the_full_prompt_for_every_row() {
     let logits = model.forward(&batch, &mut cache, Some(&mask)).unwrap();
     for (row, suffix) in suffixes.iter().enumerate() {
         let full: Vec<i32> = prefix.iter().chain(suffix).copied().collect();
-        let want = last_logits(
-            &model
-                .forward(&tokens(&full), &mut KvCache::new(), None)
-                .unwrap(),
-            0,
-        );
+        let want = alone(&model, &full);
         assert_close(
             &last_logits(&logits, row as i32),
             &want,
@@ -381,12 +382,7 @@ fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
         .unwrap();
     for (i, row) in rows.iter().enumerate() {
         let full: Vec<i32> = prefix.iter().chain(row.iter()).copied().collect();
-        let want = last_logits(
-            &model
-                .forward(&tokens(&full), &mut KvCache::new(), None)
-                .unwrap(),
-            0,
-        );
+        let want = alone(&model, &full);
         assert_close(
             &last_logits(&logits, i as i32),
             &want,
@@ -435,12 +431,7 @@ fn stacked_caches_decode_like_each_row_alone() {
             .chain([&next[i]])
             .copied()
             .collect();
-        let want = last_logits(
-            &model
-                .forward(&tokens(&full), &mut KvCache::new(), None)
-                .unwrap(),
-            0,
-        );
+        let want = alone(&model, &full);
         assert_close(
             &last_logits(&logits, i as i32),
             &want,

@@ -81,14 +81,20 @@ pub fn adapter(dir: &Path, config: &str) -> (AdapterCodec, Vec<f32>, Vec<f32>) {
             f32_bytes(&b),
         ),
     ]);
-    std::fs::write(dir.join("adapters.safetensors"), bytes).unwrap();
+    (encode_adapter(dir, bytes, config), a, b)
+}
+
+/// Writes an mlx_lm adapter (`adapters.safetensors` from `weights`, and
+/// `adapter_config.json`) into `dir` and encodes it beside itself.
+pub fn encode_adapter(dir: &Path, weights: Vec<u8>, config: &str) -> AdapterCodec {
+    std::fs::write(dir.join("adapters.safetensors"), weights).unwrap();
     std::fs::write(dir.join("adapter_config.json"), config).unwrap();
     let codec = AdapterCodec::new(
         dir.join("adapters.safetensors.zst"),
         dir.join("adapter_config.json"),
     );
     codec.encode(dir.join("adapters.safetensors")).unwrap();
-    (codec, a, b)
+    codec
 }
 
 pub const CONFIG: &str = r#"{"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}"#;
