@@ -369,6 +369,50 @@ fn leftovers_of_a_killed_fuse_are_cleared() {
     assert!(SafetensorsFile::open(path.join("model.safetensors")).is_ok());
 }
 
+/// An I/O error in the middle of writing a shard (here: the base file cut
+/// short under the fuse, once its header has been read) is a typed error
+/// naming the file, and leaves neither an entry nor a work folder.
+#[test]
+fn a_base_cut_short_while_fusing_is_an_io_error_and_leaves_nothing() {
+    let s = setup();
+    dense_base(&s.root);
+    let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
+    let blob = s.root.join("models--org--base/blobs/blob0001"); // model.safetensors
+    let bytes = std::fs::read(&blob).unwrap();
+    let data_start = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    let mut cut = false;
+    let err = ensure_fused_with_progress(REPO, &codec, NS, |e: FuseProgress| {
+        if matches!(e, FuseProgress::Fusing { .. }) && !cut {
+            // Keep the header (it is read through the map); drop the data.
+            let file = std::fs::OpenOptions::new().write(true).open(&blob).unwrap();
+            file.set_len(data_start).unwrap();
+            cut = true;
+        }
+    })
+    .unwrap_err();
+    assert!(cut, "no Fusing event came");
+    match &err {
+        Error::Io { path, source } => {
+            assert!(path.ends_with("model.safetensors"), "{err}");
+            assert_eq!(source.kind(), std::io::ErrorKind::UnexpectedEof, "{err}");
+        }
+        other => panic!("expected an I/O error, got {other}"),
+    }
+    let left: Vec<_> = std::fs::read_dir(&s.root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("models--org--fused") || n.starts_with(".fuse-"))
+        .collect();
+    let entry_complete = left
+        .iter()
+        .any(|n| s.root.join(n).join("refs/main").exists());
+    assert!(
+        !entry_complete && !left.iter().any(|n| n.starts_with(".fuse-")),
+        "{left:?}"
+    );
+}
+
 #[test]
 fn corrupt_adapter_is_a_codec_error_and_leaves_no_entry() {
     let s = setup();
