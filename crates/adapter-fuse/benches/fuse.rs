@@ -4,10 +4,10 @@
 //! A generated f32 llama base (16 layers, hidden 1024, MLP 4096, vocab
 //! 32000; 1.2 GB in two shards) and a rank-16 adapter on q, v and down of
 //! every layer, three rounds; then SmolLM2-135M-Instruct (f32 and 4-bit)
-//! where `cargo xtask fixtures` has imported it. `--7b` (`cargo xtask bench fuse --7b`) instead runs one
-//! round on Llama-2-7B's shapes in bf16 (13.5 GB, three shards; needs ~45 GB
-//! of disk), the memory figure. Each fuse runs in a fresh process whose peak
-//! RSS is its own.
+//! where `cargo xtask fixtures` has imported it. `cargo xtask bench fuse
+//! --7b` instead runs one round on Llama-2-7B's shapes in bf16 (13.2 GB,
+//! three shards; needs ~45 GB of disk), the memory figure. Each fuse runs
+//! in a fresh process whose peak RSS is its own.
 //! mlx_lm runs from the Python `cargo xtask test` sets up
 //! (`target/interop-venv`) or `MLX_LOWMEM_PYTHON`; without it only ours runs.
 
