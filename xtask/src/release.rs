@@ -428,9 +428,9 @@ fn package_all(metadata: &Metadata, order: &[String]) -> Result<Vec<String>> {
         .filter(|n| needs_mlx.contains(n.as_str()))
         .collect();
     if !unverified.is_empty() {
-        // Listed with what they need so that cargo resolves them locally.
-        let all: Vec<&String> = order.iter().filter(|n| n.as_str() != STAND_IN).collect();
-        cargo_package(&all, false)?;
+        // With the crates they need (packed again, without a build) so that
+        // cargo resolves those locally.
+        cargo_package(&order.iter().collect::<Vec<_>>(), false)?;
         for name in &unverified {
             report.push(format!(
                 "packaged, not build-verified (reaches crates.io's mlx-sys): {name}"

@@ -229,9 +229,23 @@ fn write_shard(
     std::thread::scope(|scope| {
         let writer = scope.spawn(|| write_pieces(head, &source, file.path(), target, out, rx));
         let produced = (|| {
+            // A `false` from `send` means the writer failed: its error follows.
+            let send = |piece| tx.send(piece).is_ok();
+            // Untouched bytes not sent yet: neighbouring tensors are one copy.
             let mut copy: Option<(u64, u64)> = None;
             for info in header.tensors() {
-                let piece = match fused(&info.name)? {
+                let at = (header.data_start() + info.data_offsets.0) as u64;
+                let len = info.byte_len() as u64;
+                match fused(&info.name)? {
+                    None => match copy {
+                        Some((start, n)) if start + n == at => copy = Some((start, n + len)),
+                        pending => {
+                            if !pending.is_none_or(|(at, len)| send(Piece::Copy { at, len })) {
+                                return Ok(());
+                            }
+                            copy = Some((at, len));
+                        }
+                    },
                     Some(bytes) => {
                         assert_eq!(
                             bytes.len(),
@@ -239,37 +253,17 @@ fn write_shard(
                             "{}: fused size differs",
                             info.name
                         );
-                        Piece::Bytes(bytes)
+                        let flushed = copy
+                            .take()
+                            .is_none_or(|(at, len)| send(Piece::Copy { at, len }));
+                        if !(flushed && send(Piece::Bytes(bytes))) {
+                            return Ok(());
+                        }
                     }
-                    None => {
-                        // Neighbouring untouched tensors are one copy.
-                        let at = (header.data_start() + info.data_offsets.0) as u64;
-                        let len = info.byte_len() as u64;
-                        copy = match copy {
-                            Some((start, n)) if start + n == at => Some((start, n + len)),
-                            other => {
-                                if let Some((at, len)) = other {
-                                    if tx.send(Piece::Copy { at, len }).is_err() {
-                                        return Ok(());
-                                    }
-                                }
-                                Some((at, len))
-                            }
-                        };
-                        continue;
-                    }
-                };
-                if let Some((at, len)) = copy.take() {
-                    if tx.send(Piece::Copy { at, len }).is_err() {
-                        return Ok(()); // the writer failed: its error follows
-                    }
-                }
-                if tx.send(piece).is_err() {
-                    return Ok(());
                 }
             }
             if let Some((at, len)) = copy {
-                let _ = tx.send(Piece::Copy { at, len });
+                send(Piece::Copy { at, len });
             }
             Ok(())
         })();

@@ -184,7 +184,11 @@ impl KvCache {
     /// get zero slots inserted at position `at` (e.g. after a shared
     /// prefix), counted as padding: rotary positions are unchanged, and the
     /// mask must hide slots `at..at + pad` of each row.
-    pub fn stack(parts: Vec<KvCache>, at: i32) -> Result<KvCache> {
+    pub fn stack(mut parts: Vec<KvCache>, at: i32) -> Result<KvCache> {
+        if parts.len() == 1 {
+            // One group: nothing to pad or join, so no layer is copied.
+            return Ok(parts.pop().expect("one part"));
+        }
         let offset = parts.iter().map(|c| c.offset).max().unwrap_or(0);
         let layer_count = parts.iter().map(|c| c.layers.len()).max().unwrap_or(0);
         let mut layers = Vec::with_capacity(layer_count);
