@@ -6,8 +6,9 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::Array;
 
+use crate::cache::{padded_causal_mask, KvCache};
 use crate::engine::{EngineError, LogitsProcessor, Worker};
-use crate::model::{causal_mask_with_holes, KvCache, Model};
+use crate::model::Model;
 use crate::tokenizer::{Message, Tokenizer};
 
 /// What generation keeps between requests.
@@ -174,8 +175,8 @@ fn prefill_groups(lengths: &[usize]) -> Vec<std::ops::Range<usize>> {
     groups
 }
 
-/// Prefills the rows' suffixes after the shared prefix (right-aligned, the
-/// padding between prefix and suffix hidden by the mask and skipped by the
+/// Prefills the rows' suffixes on forks of the prefix cache (left-padded
+/// after the prefix, the padding hidden by the mask and skipped by the
 /// rotary positions) in groups of similar length, then decodes the whole
 /// chunk greedily as one batch.
 fn generate_chunk(
@@ -185,43 +186,24 @@ fn generate_chunk(
     max_tokens: usize,
 ) -> crate::Result<Vec<Vec<u32>>> {
     let b = rows.len();
-    let prefix_len = state.prefix_tokens.len();
     let lengths: Vec<usize> = rows.iter().map(|r| r.len()).collect();
     let mut parts = Vec::new();
     let mut lasts = Vec::new();
     for group in prefill_groups(&lengths) {
-        let rows = &rows[group];
-        let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
-        let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
-        let mut block = Vec::with_capacity(rows.len() * width);
-        for (row, &pad) in rows.iter().zip(&pads) {
-            block.extend(std::iter::repeat_n(0i32, pad));
-            block.extend(row.iter().map(|&t| t as i32));
-        }
-        let mut cache = state.prefix_cache.repeat_batch(rows.len() as i32)?;
-        cache.pads = pads.iter().map(|&p| p as i32).collect();
-        let holes: Vec<(usize, usize)> = pads.iter().map(|&p| (prefix_len, p)).collect();
-        let mask = causal_mask_with_holes(&holes, prefix_len, width);
-        lasts.push(model.forward_last(
-            &Array::from_slice(&block, &[rows.len() as i32, width as i32]),
-            &mut cache,
-            Some(&mask),
-        )?);
+        let (cache, last) = prefill(model, &state.prefix_cache, &rows[group])?;
         parts.push(cache);
+        lasts.push(last);
     }
     let mut last = concatenate(&lasts, 0)?;
-    // One cache for decoding: the groups' caches, padded to the longest.
+    // One cache for decoding: the groups' caches, padded to the longest,
+    // with room for the tokens to come.
     let mut cache = if max_tokens > 1 {
-        KvCache::stack(parts, prefix_len as i32)?
+        KvCache::stack(parts, max_tokens as i32)?
     } else {
         KvCache::new()
     };
-    let holes: Vec<(usize, usize)> = cache
-        .pads
-        .iter()
-        .map(|&p| (prefix_len, p as usize))
-        .collect();
-    let eos = state.eos.clone();
+    let pads: Vec<usize> = cache.pads.iter().map(|&p| p as usize).collect();
+    let eos = &state.eos;
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
     for step in 0..max_tokens {
@@ -244,8 +226,7 @@ fn generate_chunk(
         if step + 1 == max_tokens || done.iter().all(|&d| d) {
             break;
         }
-        let cached = cache.offset as usize;
-        let mask = causal_mask_with_holes(&holes, cached, 1);
+        let mask = padded_causal_mask(&pads, cache.own_len() as usize, 1);
         last = model.forward_last(
             &Array::from_slice(&ids, &[b as i32, 1]),
             &mut cache,
@@ -253,6 +234,27 @@ fn generate_chunk(
         )?;
     }
     Ok(out)
+}
+
+/// Prefills `rows` as one left-padded block after the prefix; returns their
+/// cache and the logits of each row's last position.
+fn prefill(model: &Model, prefix: &KvCache, rows: &[&[u32]]) -> crate::Result<(KvCache, Array)> {
+    let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
+    let mut block = Vec::with_capacity(rows.len() * width);
+    for (row, &pad) in rows.iter().zip(&pads) {
+        block.extend(std::iter::repeat_n(0i32, pad));
+        block.extend(row.iter().map(|&t| t as i32));
+    }
+    let mut cache = prefix.fork(rows.len() as i32)?;
+    cache.pads = pads.iter().map(|&p| p as i32).collect();
+    let mask = padded_causal_mask(&pads, 0, width);
+    let last = model.forward_last(
+        &Array::from_slice(&block, &[rows.len() as i32, width as i32]),
+        &mut cache,
+        Some(&mask),
+    )?;
+    Ok((cache, last))
 }
 
 #[cfg(test)]

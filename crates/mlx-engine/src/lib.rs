@@ -11,10 +11,11 @@
 //! [`Tokenizer`] and chat template, and runs the shared prefix messages once.
 //! [`MlxEngine::generate`] then checks that each conversation starts with
 //! that prefix, sorts conversations by the length of their last message,
-//! prefills each chunk of `batch_size` suffixes on copies of the prefix
-//! cache (the padding between prefix and suffix hidden by the mask and
-//! skipped by the rotary positions), decodes greedily through the logits
-//! processor, and returns the texts in the given order.
+//! prefills each chunk of `batch_size` suffixes after the prefix cache,
+//! which the rows share rather than copy (the padding between prefix and
+//! suffix hidden by the mask and skipped by the rotary positions), decodes
+//! greedily through the logits processor, and returns the texts in the
+//! given order.
 //!
 //! ```
 //! use mlx_engine::{EngineConfig, Message, MlxEngine};
@@ -54,22 +55,25 @@
 //! Models in GGUF (llama architecture, e.g. SmolLM2) become mlx_lm folders
 //! with [`import_gguf`].
 
+mod attention;
+mod cache;
 mod config;
 mod engine;
 mod error;
 mod generate;
 mod gguf;
-pub use generate::GenerationStats;
 mod model;
 mod tokenizer;
 
+pub use cache::{padded_causal_mask, KvCache};
 pub use config::{ModelConfig, Quantization, SUPPORTED};
 pub use engine::{
     EngineConfig, EngineError, LogitsProcessor, LogitsProcessorFactory, MlxEngine, Reply, Worker,
 };
 pub use error::{Error, Result};
+pub use generate::GenerationStats;
 pub use gguf::{import_gguf, ImportWeights};
-pub use model::{causal_mask_with_holes, padded_causal_mask, KvCache, Model, QuantizedWeights};
+pub use model::{Model, QuantizedWeights};
 pub use tokenizer::{Message, Tokenizer};
 
 /// Compiles the README's example with the doc-tests, so that it stays true.

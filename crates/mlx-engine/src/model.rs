@@ -3,12 +3,14 @@
 use std::path::Path;
 
 use block_stream::array_from_bytes;
-use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::fast;
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{concatenate, dequantize, quantized_matmul};
+use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 use st_mmap::SafetensorsSet;
 
+use crate::attention::attention;
+use crate::cache::{padded_causal_mask, KvCache};
 use crate::config::{ModelConfig, Quantization};
 use crate::error::{Error, Result};
 
@@ -137,97 +139,6 @@ struct Layer {
     post_norm: Array,
 }
 
-/// Keys and values of every layer for the tokens seen so far.
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    layers: Vec<Option<(Array, Array)>>,
-    /// Number of positions cached.
-    pub offset: i32,
-    /// Per batch row, how many cached slots are padding. Rotary positions of
-    /// a row's new tokens are `offset - pad`, so padding does not shift
-    /// them; the attention mask must hide the padded slots.
-    pub pads: Vec<i32>,
-}
-
-impl KvCache {
-    /// An empty cache.
-    pub fn new() -> KvCache {
-        KvCache::default()
-    }
-
-    /// The same cache repeated `n` times along the batch axis (for a batch
-    /// that shares one prefix).
-    pub fn repeat_batch(&self, n: i32) -> Result<KvCache> {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                l.as_ref()
-                    .map(|(k, v)| -> Result<(Array, Array)> {
-                        let rep = |a: &Array| -> Result<Array> {
-                            let copies: Vec<&Array> = (0..n).map(|_| a).collect();
-                            Ok(concatenate(&copies, 0)?)
-                        };
-                        Ok((rep(k)?, rep(v)?))
-                    })
-                    .transpose()
-            })
-            .collect::<Result<_>>()?;
-        Ok(KvCache {
-            layers,
-            offset: self.offset,
-            pads: vec![0; n as usize],
-        })
-    }
-
-    /// Stacks caches along the batch axis. Those shorter than the longest
-    /// get zero slots inserted at position `at` (e.g. after a shared
-    /// prefix), counted as padding: rotary positions are unchanged, and the
-    /// mask must hide slots `at..at + pad` of each row.
-    pub fn stack(mut parts: Vec<KvCache>, at: i32) -> Result<KvCache> {
-        if parts.len() == 1 {
-            // One group: nothing to pad or join, so no layer is copied.
-            return Ok(parts.pop().expect("one part"));
-        }
-        let offset = parts.iter().map(|c| c.offset).max().unwrap_or(0);
-        let layer_count = parts.iter().map(|c| c.layers.len()).max().unwrap_or(0);
-        let mut layers = Vec::with_capacity(layer_count);
-        for layer in 0..layer_count {
-            let mut keys = Vec::with_capacity(parts.len());
-            let mut values = Vec::with_capacity(parts.len());
-            for part in &parts {
-                let Some(Some((k, v))) = part.layers.get(layer) else {
-                    let what = format!("cannot stack caches: layer {layer} is empty in one");
-                    return Err(mlx_rs::error::Exception::custom(what).into());
-                };
-                let extra = offset - part.offset;
-                let widen = |a: &Array| -> Result<Array> {
-                    if extra == 0 {
-                        return Ok(a.clone());
-                    }
-                    let shape = a.shape();
-                    let gap = Array::zeros::<f32>(&[shape[0], shape[1], extra, shape[3]])?
-                        .as_dtype(a.dtype())?;
-                    let (head, tail) = (a.index((.., .., ..at, ..)), a.index((.., .., at.., ..)));
-                    Ok(concatenate(&[head, gap, tail], 2)?)
-                };
-                keys.push(widen(k)?);
-                values.push(widen(v)?);
-            }
-            layers.push(Some((concatenate(&keys, 0)?, concatenate(&values, 0)?)));
-        }
-        let pads = parts
-            .iter()
-            .flat_map(|c| c.pads.iter().map(move |p| p + offset - c.offset))
-            .collect();
-        Ok(KvCache {
-            layers,
-            offset,
-            pads,
-        })
-    }
-}
-
 /// A loaded decoder model.
 pub struct Model {
     config: ModelConfig,
@@ -311,8 +222,9 @@ impl Model {
 
     /// Logits `(B, L, vocab)` for `tokens` `(B, L)` (int32), continuing from
     /// `cache`, which is extended with these positions. `mask` `(B, 1, L,
-    /// cached + L)` (true = may attend) overrides the default causal mask,
-    /// e.g. to hide left padding.
+    /// cache.own_len() + L)` (true = may attend) overrides the default
+    /// causal mask over the positions the rows own, e.g. to hide left
+    /// padding; a shared prefix (see [`KvCache::fork`]) is always visible.
     pub fn forward(
         &self,
         tokens: &Array,
@@ -356,12 +268,27 @@ impl Model {
             c.kv_heads() as i32,
             c.head_dim() as i32,
         );
-        if cache.layers.len() != self.layers.len() {
-            cache.layers = vec![None; self.layers.len()];
-        }
+        let own_cached = cache.own_len();
+        // Without a mask, new positions see the owned ones causally; a
+        // single new position sees them all.
+        let causal;
+        let mask = match mask {
+            Some(m) => Some(m),
+            None if l > 1 => {
+                causal = padded_causal_mask(&[0], own_cached as usize, l as usize);
+                Some(&causal)
+            }
+            None => None,
+        };
+        // Rotary positions: the cached length, less each row's padding.
+        let position = cache.len();
+        let offsets = cache.pads.iter().any(|&p| p != 0).then(|| {
+            let offsets: Vec<i32> = cache.pads.iter().map(|p| position - p).collect();
+            Array::from_slice(&offsets, &[offsets.len() as i32])
+        });
         let mut x = self.embed.take_axis(tokens, 0)?;
         let scale = (hd as f32).powf(-0.5);
-        for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
+        for (i, layer) in self.layers.iter().enumerate() {
             let h = fast::rms_norm(&x, Some(&layer.input_norm), c.rms_norm_eps)?;
             let split = |a: Array, n: i32| -> Result<Array> {
                 Ok(a.reshape(&[b, l, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
@@ -373,45 +300,25 @@ impl Model {
                 q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
                 k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
             }
-            // Rotary positions: the cache offset, less each row's padding.
-            let (q, k) = if cache.pads.iter().any(|&p| p != 0) {
-                let offsets: Vec<i32> = cache.pads.iter().map(|p| cache.offset - p).collect();
-                let offsets = Array::from_slice(&offsets, &[offsets.len() as i32]);
-                let rope = |x: &Array| {
-                    fast::rope_dynamic(x, hd, c.rope_traditional, c.rope_theta, 1.0, &offsets, None)
-                };
-                (rope(&q)?, rope(&k)?)
-            } else {
-                let rope = |x: &Array| {
-                    fast::rope(
+            let rope = |x: &Array| -> Result<Array> {
+                Ok(match &offsets {
+                    Some(offsets) => fast::rope_dynamic(
                         x,
                         hd,
                         c.rope_traditional,
                         c.rope_theta,
                         1.0,
-                        cache.offset,
+                        offsets,
                         None,
-                    )
-                };
-                (rope(&q)?, rope(&k)?)
+                    )?,
+                    None => {
+                        fast::rope(x, hd, c.rope_traditional, c.rope_theta, 1.0, position, None)?
+                    }
+                })
             };
-            let (k, v) = match slot.take() {
-                Some((pk, pv)) => (concatenate(&[pk, k], 2)?, concatenate(&[pv, v], 2)?),
-                None => (k, v),
-            };
-            let attended = match mask {
-                Some(m) => fast::scaled_dot_product_attention(&q, &k, &v, scale, m, None)?,
-                None if l > 1 => fast::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    scale,
-                    ScaledDotProductAttentionMask::Causal,
-                    None,
-                )?,
-                None => fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None)?,
-            };
-            *slot = Some((k, v));
+            let (q, k) = (rope(&q)?, rope(&k)?);
+            let (k, v) = cache.append(i, k, v)?;
+            let attended = attention(&q, cache.shared(i), (&k, &v), mask, scale)?;
             let attended = attended
                 .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, heads * hd])?;
@@ -421,31 +328,7 @@ impl Model {
                 mlx_rs::nn::silu(layer.gate.forward(&h)?)?.multiply(layer.up.forward(&h)?)?;
             x = x1.add(layer.down.forward(&gated)?)?;
         }
-        cache.offset += l;
+        cache.advance(l);
         Ok(x)
     }
-}
-
-/// The attention mask for a batch whose rows are left-padded by `pads[i]`
-/// positions (counted from the start of the cache), for `new` positions after
-/// `cached` ones: `(B, 1, new, cached + new)`, true where attention is allowed.
-pub fn padded_causal_mask(pads: &[usize], cached: usize, new: usize) -> Array {
-    let holes: Vec<(usize, usize)> = pads.iter().map(|&p| (0, p)).collect();
-    causal_mask_with_holes(&holes, cached, new)
-}
-
-/// As [`padded_causal_mask`], with each row's padding anywhere: row `i` may
-/// not attend slots `holes[i].0 .. holes[i].0 + holes[i].1`.
-pub fn causal_mask_with_holes(holes: &[(usize, usize)], cached: usize, new: usize) -> Array {
-    let total = cached + new;
-    let mut mask = Vec::with_capacity(holes.len() * new * total);
-    for &(start, len) in holes {
-        for i in 0..new {
-            for j in 0..total {
-                let in_hole = j >= start && j < start + len;
-                mask.push(!in_hole && j <= cached + i);
-            }
-        }
-    }
-    Array::from_slice(&mask, &[holes.len() as i32, 1, new as i32, total as i32])
 }

@@ -135,7 +135,7 @@ fn cached_decoding_equals_the_full_prompt() {
         for &t in &PROMPT[4..] {
             logits = Some(model.forward(&tokens(&[t]), &mut cache, None).unwrap());
         }
-        assert_eq!(cache.offset, PROMPT.len() as i32);
+        assert_eq!(cache.len(), PROMPT.len() as i32);
         assert_close(&last_logits(&logits.unwrap(), 0), &full, 1e-4, arch);
     }
 }
@@ -150,7 +150,7 @@ fn last_position_logits_equal_the_full_forwards_last_row() {
     let mut cache = KvCache::new();
     let last = model.forward_last(&batch, &mut cache, None).unwrap();
     assert_eq!(last.shape(), &[2, full.dim(2)]);
-    assert_eq!(cache.offset, 7);
+    assert_eq!(cache.len(), 7);
     for row in 0..2 {
         use mlx_rs::ops::indexing::IndexOp;
         let got = last.index((row, ..));
@@ -168,11 +168,11 @@ fn shared_prefix_cache_equals_the_full_prompt_for_every_row() {
     let prefix = [3, 17, 42];
     let mut shared = KvCache::new();
     model.forward(&tokens(&prefix), &mut shared, None).unwrap();
-    // Two suffixes of equal length on one copy of the prefix cache each.
+    // Two suffixes of equal length after the one shared prefix.
     let suffixes = [[5, 9, 31], [8, 8, 1]];
-    let mut cache = shared.repeat_batch(2).unwrap();
+    let mut cache = shared.fork(2).unwrap();
     let batch = Array::from_slice(&[suffixes[0], suffixes[1]].concat(), &[2, 3]);
-    let mask = padded_causal_mask(&[0, 0], 3, 3);
+    let mask = padded_causal_mask(&[0, 0], 0, 3);
     let logits = model.forward(&batch, &mut cache, Some(&mask)).unwrap();
     for (row, suffix) in suffixes.iter().enumerate() {
         let full: Vec<i32> = prefix.iter().chain(suffix).copied().collect();
@@ -353,7 +353,7 @@ fn rope_with_per_row_offsets_equals_row_by_row() {
 }
 
 /// Rows of different lengths after a shared prefix, padded between prefix
-/// and suffix, equal each row run alone — the engine's batching.
+/// and suffix, equal each row run alone: the engine's batching.
 #[test]
 fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
     let dir = tempfile::tempdir().unwrap();
@@ -369,10 +369,9 @@ fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
         .iter()
         .flat_map(|r| std::iter::repeat_n(0, width - r.len()).chain(r.iter().copied()))
         .collect();
-    let mut cache = shared.repeat_batch(4).unwrap();
+    let mut cache = shared.fork(4).unwrap();
     cache.pads = pads.iter().map(|&p| p as i32).collect();
-    let holes: Vec<(usize, usize)> = pads.iter().map(|&p| (prefix.len(), p)).collect();
-    let mask = mlx_engine::causal_mask_with_holes(&holes, prefix.len(), width);
+    let mask = padded_causal_mask(&pads, 0, width);
     let logits = model
         .forward(
             &Array::from_slice(&block, &[4, width as i32]),
@@ -393,7 +392,9 @@ fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
 }
 
 /// Rows prefilled apart (no padding) and stacked into one cache decode as
-/// each row would alone: the stack pads the shorter after the prefix.
+/// each row would alone, step after step: the stack left-pads the shorter
+/// after the shared prefix; decoding fills its one spare slot in place,
+/// then grows the cache, then appends in place again.
 #[test]
 fn stacked_caches_decode_like_each_row_alone() {
     let dir = tempfile::tempdir().unwrap();
@@ -406,37 +407,34 @@ fn stacked_caches_decode_like_each_row_alone() {
     let parts: Vec<KvCache> = rows
         .iter()
         .map(|row| {
-            let mut cache = shared.repeat_batch(1).unwrap();
+            let mut cache = shared.fork(1).unwrap();
             model.forward(&tokens(row), &mut cache, None).unwrap();
             cache
         })
         .collect();
-    let mut cache = KvCache::stack(parts, prefix.len() as i32).unwrap();
-    assert_eq!(cache.offset, (prefix.len() + 5) as i32);
+    let mut cache = KvCache::stack(parts, 1).unwrap();
+    assert_eq!(cache.len(), (prefix.len() + 5) as i32);
+    assert_eq!(cache.own_len(), 5);
     assert_eq!(cache.pads, [3, 0, 4]);
-    let next = [21, 22, 23];
-    let holes: Vec<(usize, usize)> = cache
-        .pads
+    let pads: Vec<usize> = cache.pads.iter().map(|&p| p as usize).collect();
+    let mut seen: Vec<Vec<i32>> = rows
         .iter()
-        .map(|&p| (prefix.len(), p as usize))
+        .map(|row| prefix.iter().chain(row.iter()).copied().collect())
         .collect();
-    let mask = mlx_engine::causal_mask_with_holes(&holes, cache.offset as usize, 1);
-    let logits = model
-        .forward(&Array::from_slice(&next, &[3, 1]), &mut cache, Some(&mask))
-        .unwrap();
-    for (i, row) in rows.iter().enumerate() {
-        let full: Vec<i32> = prefix
-            .iter()
-            .chain(row.iter())
-            .chain([&next[i]])
-            .copied()
-            .collect();
-        let want = alone(&model, &full);
-        assert_close(
-            &last_logits(&logits, i as i32),
-            &want,
-            1e-4,
-            &format!("row {i}"),
-        );
+    for step in 0..4 {
+        let next: Vec<i32> = (0..3).map(|i| 20 + 3 * step + i).collect();
+        let mask = padded_causal_mask(&pads, cache.own_len() as usize, 1);
+        let logits = model
+            .forward(&Array::from_slice(&next, &[3, 1]), &mut cache, Some(&mask))
+            .unwrap();
+        for (i, full) in seen.iter_mut().enumerate() {
+            full.push(next[i]);
+            assert_close(
+                &last_logits(&logits, i as i32),
+                &alone(&model, full),
+                1e-4,
+                &format!("step {step}, row {i}"),
+            );
+        }
     }
 }

@@ -1,0 +1,69 @@
+//! Grouped-query attention over a shared prefix and the rows' own positions.
+//!
+//! MLX's fused attention has no CPU kernel: on the CPU it falls back to
+//! matrix products that repeat each key/value head for its query heads and
+//! read every row's copy of a prompt cache. Here the query heads that share
+//! a key/value head are stacked into one matrix (fewer, larger products),
+//! and the shared prefix is read once for the whole batch.
+
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{concatenate, select, softmax_axis};
+use mlx_rs::Array;
+
+use crate::error::Result;
+
+/// `softmax(q·kᵀ·scale, masked) · v` for queries `q` `(B, heads, L, D)`.
+///
+/// `shared` keys/values are `(kv_heads, P, D)`, visible to every query;
+/// `own` are `(B, kv_heads, T, D)`; `mask` `(B or 1, 1, L, T)` (true = may
+/// attend) applies to the owned positions only. Returns `(B, heads, L, D)`.
+pub(crate) fn attention(
+    q: &Array,
+    shared: Option<(&Array, &Array)>,
+    own: (&Array, &Array),
+    mask: Option<&Array>,
+    scale: f32,
+) -> Result<Array> {
+    let (b, heads, l, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
+    let kv_heads = own.0.dim(1);
+    let group = heads / kv_heads;
+    // Query heads `h` of one group use key/value head `h / group`: as rows
+    // of one matrix, `(B, kv_heads, group·L, D)`.
+    let q = q
+        .multiply(Array::from_f32(scale))?
+        .reshape(&[b, kv_heads, group * l, d])?;
+    let mut own_scores = q.matmul(own.0.swap_axes(-1, -2)?)?;
+    if let Some(mask) = mask {
+        let t = own.0.dim(2);
+        let grouped = own_scores.reshape(&[b, kv_heads, group, l, t])?;
+        let mask = mask.expand_dims(1)?;
+        own_scores = select(&mask, &grouped, Array::from_f32(f32::MIN))?.reshape(&[
+            b,
+            kv_heads,
+            group * l,
+            t,
+        ])?;
+    }
+    let Some((shared_keys, shared_values)) = shared else {
+        let probs = softmax_axis(&own_scores, -1, true)?;
+        return Ok(probs.matmul(own.1)?.reshape(&[b, heads, l, d])?);
+    };
+    // Every row's queries against the prefix at once: `(kv_heads, B·group·L, D)`.
+    let p = shared_keys.dim(1);
+    let across = |a: &Array, width: i32| -> Result<Array> {
+        Ok(a.transpose_axes(&[1, 0, 2, 3])?
+            .reshape(&[kv_heads, b * group * l, width])?)
+    };
+    let back = |a: Array, width: i32| -> Result<Array> {
+        Ok(a.reshape(&[kv_heads, b, group * l, width])?
+            .transpose_axes(&[1, 0, 2, 3])?)
+    };
+    let shared_scores = back(across(&q, d)?.matmul(shared_keys.swap_axes(-1, -2)?)?, p)?;
+    let probs = softmax_axis(concatenate(&[shared_scores, own_scores], -1)?, -1, true)?;
+    let from_shared = back(
+        across(&probs.index((.., .., .., ..p)), p)?.matmul(shared_values)?,
+        d,
+    )?;
+    let from_own = probs.index((.., .., .., p..)).matmul(own.1)?;
+    Ok(from_shared.add(from_own)?.reshape(&[b, heads, l, d])?)
+}
