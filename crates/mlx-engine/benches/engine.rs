@@ -59,7 +59,7 @@ fn child(dir: &Path, n: usize, batch: usize, max_tokens: usize) {
         prefix_messages: convs[0][..1].to_vec(),
         batch_size: batch,
         worker_name: "bench".into(),
-        quantized: Some(mlx_engine::QuantizedWeights::Keep),
+        quantized: None,
     })
     .unwrap();
     engine.ensure_loaded().unwrap();

@@ -20,17 +20,22 @@ pub enum QuantizedWeights {
     /// Keep them packed and use MLX's quantized matmul (the fast path on
     /// Apple GPUs).
     Keep,
-    /// Dequantize to f32 at load (the fast path on MLX's CPU backend, where
-    /// f32 matmul uses BLAS and quantized matmul does not).
+    /// Keep them packed and dequantize each matrix to f32 just before its
+    /// product (the CPU default): memory stays that of the packed weights,
+    /// while the product runs on BLAS. MLX's CPU quantized matmul has no
+    /// BLAS path and is far slower.
+    DequantizeOnUse,
+    /// Dequantize to f32 at load: the fastest on the CPU backend, at the
+    /// memory of an f32 model.
     DequantizeF32,
 }
 
 impl QuantizedWeights {
-    /// The faster choice for the device MLX will use.
+    /// The choice for the device MLX will use.
     pub fn for_device(device: block_stream::ComputeDevice) -> QuantizedWeights {
         match device {
             block_stream::ComputeDevice::Gpu => QuantizedWeights::Keep,
-            block_stream::ComputeDevice::Cpu => QuantizedWeights::DequantizeF32,
+            block_stream::ComputeDevice::Cpu => QuantizedWeights::DequantizeOnUse,
         }
     }
 }
@@ -67,6 +72,7 @@ impl Weights<'_> {
                 weight,
                 bias,
                 quant: None,
+                on_use: false,
             });
         };
         let q = self.quant.ok_or_else(|| Error::MissingWeight {
@@ -81,12 +87,14 @@ impl Weights<'_> {
                     weight: dense,
                     bias,
                     quant: None,
+                    on_use: false,
                 })
             }
-            QuantizedWeights::Keep => Ok(Linear {
+            QuantizedWeights::Keep | QuantizedWeights::DequantizeOnUse => Ok(Linear {
                 weight,
                 bias,
                 quant: Some((scales, biases, q)),
+                on_use: self.mode == QuantizedWeights::DequantizeOnUse,
             }),
         }
     }
@@ -108,11 +116,17 @@ struct Linear {
     weight: Array,
     bias: Option<Array>,
     quant: Option<(Array, Array, Quantization)>,
+    /// Dequantize before each product instead of MLX's quantized matmul.
+    on_use: bool,
 }
 
 impl Linear {
     fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.quant {
+            Some((scales, biases, q)) if self.on_use => {
+                let dense = dequantize(&self.weight, scales, biases, q.group_size, q.bits)?;
+                x.matmul(dense.as_dtype(Dtype::Float32)?.t())?
+            }
             Some((scales, biases, q)) => {
                 quantized_matmul(x, &self.weight, scales, biases, true, q.group_size, q.bits)?
             }

@@ -254,21 +254,22 @@ fn quantized_weights_kept_or_dequantized_agree() {
     config["quantization"] = serde_json::json!({"group_size": 32, "bits": 4});
     std::fs::write(qdir.path().join("config.json"), config.to_string()).unwrap();
 
-    let kept = Model::load(qdir.path(), QuantizedWeights::Keep).unwrap();
-    let dense = Model::load(qdir.path(), QuantizedWeights::DequantizeF32).unwrap();
-    let a = last_logits(
-        &kept
-            .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
-            .unwrap(),
-        0,
+    let logits = |mode| {
+        let model = Model::load(qdir.path(), mode).unwrap();
+        let logits = model.forward(&tokens(&PROMPT), &mut KvCache::new(), None);
+        last_logits(&logits.unwrap(), 0)
+    };
+    let kept = logits(QuantizedWeights::Keep);
+    let on_use = logits(QuantizedWeights::DequantizeOnUse);
+    let dense = logits(QuantizedWeights::DequantizeF32);
+    assert_close(
+        &kept,
+        &dense,
+        1e-3,
+        "quantized matmul vs dequantized at load",
     );
-    let b = last_logits(
-        &dense
-            .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
-            .unwrap(),
-        0,
-    );
-    assert_close(&a, &b, 1e-3, "quantized matmul vs dequantized matmul");
+    // The same f32 matrices, dequantized at load or before each product.
+    assert_close(&on_use, &dense, 1e-6, "dequantized on use vs at load");
 }
 
 #[test]
