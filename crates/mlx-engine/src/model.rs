@@ -51,7 +51,12 @@ impl Weights<'_> {
         let view = self.set.tensor(key).ok_or_else(|| Error::MissingWeight {
             key: key.to_owned(),
         })?;
-        Ok(array_from_bytes(key, view.dtype, view.shape, view.data)?)
+        let array = array_from_bytes(key, view.dtype, view.shape, view.data)?;
+        // The array is a copy: the mapped pages read to make it would
+        // otherwise stay resident until the whole model is loaded, doubling
+        // the peak memory of loading.
+        self.set.release(key);
+        Ok(array)
     }
 
     fn optional(&self, key: &str) -> Result<Option<Array>> {

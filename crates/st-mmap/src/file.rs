@@ -78,6 +78,45 @@ impl SafetensorsFile {
         self.header.tensor(name).map(|info| self.view(info))
     }
 
+    /// Lets the OS drop the pages of tensor `name` from this process's
+    /// resident memory, for a caller that has copied the tensor out (e.g.
+    /// into an MLX array on the CPU backend, which always copies). The pages
+    /// stay in the page cache, and reading them again faults them back in
+    /// from the file, so views stay valid. Without this, a model loaded
+    /// through the map counts twice in the peak resident memory: once as
+    /// the copies, once as the mapped pages read to make them.
+    ///
+    /// Returns whether the advice was given: `false` for an unknown name,
+    /// and always on systems without `madvise` (non-Unix).
+    pub fn release(&self, name: &str) -> bool {
+        let Some(info) = self.header.tensor(name) else {
+            return false;
+        };
+        let start = self.header.data_start() + info.data_offsets.0;
+        let len = info.data_offsets.1 - info.data_offsets.0;
+        if len == 0 {
+            return false;
+        }
+        #[cfg(unix)]
+        {
+            // SAFETY: the map is read-only and backed by the file, so
+            // MADV_DONTNEED discards nothing that cannot be read back: a later
+            // access faults the same bytes in from the file (the map's
+            // contract says the file does not change). The range is inside
+            // the map: parse_header checked every offset against its length.
+            let advised = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len)
+            };
+            advised.is_ok()
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = start;
+            false
+        }
+    }
+
     /// Views of every tensor, in file order.
     pub fn tensors(&self) -> impl Iterator<Item = TensorView<'_>> {
         self.header.tensors().iter().map(|info| self.view(info))

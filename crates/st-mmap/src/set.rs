@@ -161,6 +161,14 @@ impl SafetensorsSet {
         self.files[*self.keys.get(key)?].tensor(key)
     }
 
+    /// Drops the pages of `key` from resident memory once it has been
+    /// copied out; see [`SafetensorsFile::release`].
+    pub fn release(&self, key: &str) -> bool {
+        self.keys
+            .get(key)
+            .is_some_and(|&i| self.files[i].release(key))
+    }
+
     /// The file that holds `key`.
     pub fn file_of(&self, key: &str) -> Option<&Path> {
         self.keys.get(key).map(|&i| self.files[i].path())

@@ -184,3 +184,61 @@ mod block_keys {
         }
     }
 }
+
+/// The resident kilobytes of this process's mappings of `path`, from
+/// `/proc/self/smaps`.
+#[cfg(target_os = "linux")]
+fn resident_kib(path: &Path) -> u64 {
+    let smaps = fs::read_to_string("/proc/self/smaps").unwrap();
+    let name = path.to_str().unwrap();
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        if line.contains('-') && line.split_whitespace().count() >= 5 {
+            // A mapping's first line: "start-end perms offset dev inode [path]".
+            inside = line.ends_with(name);
+        } else if inside && line.starts_with("Rss:") {
+            kib += line
+                .split_whitespace()
+                .nth(1)
+                .unwrap()
+                .parse::<u64>()
+                .unwrap();
+        }
+    }
+    kib
+}
+
+#[test]
+fn a_released_tensor_leaves_resident_memory_and_still_reads_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..8 << 20).map(|i: u32| (i * 31 % 251) as u8).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![8 << 20], &data).unwrap();
+    let path = dir.path().join("big.safetensors");
+    fs::write(
+        &path,
+        safetensors::serialize([("big", view)], None).unwrap(),
+    )
+    .unwrap();
+    let set = SafetensorsSet::open_files([&path]).unwrap();
+    let sum = |set: &SafetensorsSet| -> u64 {
+        let bytes = set.tensor("big").unwrap().data;
+        assert_eq!(bytes, data.as_slice());
+        bytes.iter().map(|&b| u64::from(b)).sum()
+    };
+    let before = sum(&set);
+    #[cfg(target_os = "linux")]
+    let touched = resident_kib(&path);
+    assert!(set.release("big") == cfg!(unix));
+    assert!(!set.release("missing"));
+    #[cfg(target_os = "linux")]
+    {
+        let released = resident_kib(&path);
+        assert!(
+            touched >= 8 * 1024 && released < 1024,
+            "resident KiB of the map: {touched} after reading, {released} after release"
+        );
+    }
+    assert_eq!(sum(&set), before);
+}
