@@ -130,14 +130,12 @@ impl KvCache {
                     .and_then(Option::as_ref)
                     .ok_or_else(|| empty_layer(layer))?;
                 let widen = |a: &Array| -> Result<Array> {
-                    let shape = a.shape();
-                    let zeros = |n: i32| -> Result<Array> {
-                        Ok(Array::zeros::<f32>(&[shape[0], shape[1], n, shape[3]])?
-                            .as_dtype(a.dtype())?)
-                    };
                     let filled = a.index((.., .., ..part.own_len, ..));
                     let pad = own_len - part.own_len;
-                    Ok(concatenate(&[zeros(pad)?, filled, zeros(spare)?], 2)?)
+                    Ok(concatenate(
+                        &[empty_slots(a, pad)?, filled, empty_slots(a, spare)?],
+                        2,
+                    )?)
                 };
                 keys.push(widen(&own.keys)?);
                 values.push(widen(&own.values)?);
@@ -193,11 +191,11 @@ impl KvCache {
             }
             Some(own) => {
                 let grow = |buffer: &Array, new: &Array| -> Result<Array> {
-                    let shape = new.shape();
-                    let room = Array::zeros::<f32>(&[shape[0], shape[1], GROW_BY, shape[3]])?
-                        .as_dtype(new.dtype())?;
                     let filled = buffer.index((.., .., ..at, ..));
-                    Ok(concatenate(&[filled, new.clone(), room], 2)?)
+                    Ok(concatenate(
+                        &[filled, new.clone(), empty_slots(new, GROW_BY)?],
+                        2,
+                    )?)
                 };
                 *own = Owned {
                     keys: grow(&own.keys, &keys)?,
@@ -216,6 +214,13 @@ impl KvCache {
     pub(crate) fn advance(&mut self, new: i32) {
         self.own_len += new;
     }
+}
+
+/// `n` zero positions shaped and typed like `like` `(B, kv_heads, _, head_dim)`.
+fn empty_slots(like: &Array, n: i32) -> Result<Array> {
+    let shape = like.shape();
+    let zeros = Array::zeros::<f32>(&[shape[0], shape[1], n, shape[3]])?;
+    Ok(zeros.as_dtype(like.dtype())?)
 }
 
 fn empty_layer(layer: usize) -> crate::Error {

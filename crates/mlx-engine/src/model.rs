@@ -71,48 +71,65 @@ impl Weights<'_> {
     fn linear(&self, prefix: &str) -> Result<Linear> {
         let weight = self.array(&format!("{prefix}.weight"))?;
         let bias = self.optional(&format!("{prefix}.bias"))?;
-        let scales = self.optional(&format!("{prefix}.scales"))?;
-        let Some(scales) = scales else {
+        let Some(scales) = self.optional(&format!("{prefix}.scales"))? else {
             return Ok(Linear {
                 weight,
                 bias,
-                quant: None,
-                on_use: false,
+                packed: None,
             });
         };
         let q = self.quant.ok_or_else(|| Error::MissingWeight {
             key: format!("{prefix}: quantized weights but no `quantization` in config.json"),
         })?;
-        let biases = self.array(&format!("{prefix}.biases"))?;
-        match self.mode {
-            QuantizedWeights::DequantizeF32 => {
-                let dense = dequantize(&weight, &scales, &biases, q.group_size, q.bits)?
-                    .as_dtype(Dtype::Float32)?;
-                Ok(Linear {
-                    weight: dense,
-                    bias,
-                    quant: None,
-                    on_use: false,
-                })
-            }
-            QuantizedWeights::Keep | QuantizedWeights::DequantizeOnUse => Ok(Linear {
+        let packed = Packed {
+            scales,
+            biases: self.array(&format!("{prefix}.biases"))?,
+            q,
+            dequantize_on_use: self.mode == QuantizedWeights::DequantizeOnUse,
+        };
+        Ok(match self.mode {
+            QuantizedWeights::DequantizeF32 => Linear {
+                weight: packed.dense_f32(&weight)?,
+                bias,
+                packed: None,
+            },
+            QuantizedWeights::Keep | QuantizedWeights::DequantizeOnUse => Linear {
                 weight,
                 bias,
-                quant: Some((scales, biases, q)),
-                on_use: self.mode == QuantizedWeights::DequantizeOnUse,
-            }),
-        }
+                packed: Some(packed),
+            },
+        })
     }
 
     /// An embedding table as a dense matrix (quantized tables are dequantized).
     fn embedding(&self, prefix: &str) -> Result<Array> {
         let table = self.linear(prefix)?;
-        Ok(match table.quant {
-            Some((scales, biases, q)) => {
-                dequantize(&table.weight, &scales, &biases, q.group_size, q.bits)?
-            }
+        Ok(match &table.packed {
+            Some(packed) => packed.dense(&table.weight)?,
             None => table.weight,
         })
+    }
+}
+
+/// What unpacks a quantized weight matrix.
+struct Packed {
+    scales: Array,
+    biases: Array,
+    q: Quantization,
+    /// Dequantize before each product instead of MLX's quantized matmul.
+    dequantize_on_use: bool,
+}
+
+impl Packed {
+    /// The dense matrix, in the scales' dtype.
+    fn dense(&self, weight: &Array) -> Result<Array> {
+        let (gs, bits) = (self.q.group_size, self.q.bits);
+        Ok(dequantize(weight, &self.scales, &self.biases, gs, bits)?)
+    }
+
+    /// The dense matrix in f32, which MLX's CPU backend multiplies with BLAS.
+    fn dense_f32(&self, weight: &Array) -> Result<Array> {
+        Ok(self.dense(weight)?.as_dtype(Dtype::Float32)?)
     }
 }
 
@@ -120,20 +137,16 @@ impl Weights<'_> {
 struct Linear {
     weight: Array,
     bias: Option<Array>,
-    quant: Option<(Array, Array, Quantization)>,
-    /// Dequantize before each product instead of MLX's quantized matmul.
-    on_use: bool,
+    packed: Option<Packed>,
 }
 
 impl Linear {
     fn forward(&self, x: &Array) -> Result<Array> {
-        let y = match &self.quant {
-            Some((scales, biases, q)) if self.on_use => {
-                let dense = dequantize(&self.weight, scales, biases, q.group_size, q.bits)?;
-                x.matmul(dense.as_dtype(Dtype::Float32)?.t())?
-            }
-            Some((scales, biases, q)) => {
-                quantized_matmul(x, &self.weight, scales, biases, true, q.group_size, q.bits)?
+        let y = match &self.packed {
+            Some(p) if p.dequantize_on_use => x.matmul(p.dense_f32(&self.weight)?.t())?,
+            Some(p) => {
+                let (gs, bits) = (p.q.group_size, p.q.bits);
+                quantized_matmul(x, &self.weight, &p.scales, &p.biases, true, gs, bits)?
             }
             None => x.matmul(self.weight.t())?,
         };
