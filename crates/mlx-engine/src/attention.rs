@@ -6,11 +6,11 @@
 //! a key/value head are stacked into one matrix (fewer, larger products),
 //! and the shared prefix is read once for the whole batch.
 
-use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{concatenate, select, softmax_axis};
+use mlx_rs::ops::{maximum, select};
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::fused::exp_shifted;
 
 /// `softmax(q·kᵀ·scale, masked) · v` for queries `q` `(B, heads, L, D)`.
 ///
@@ -44,12 +44,16 @@ pub(crate) fn attention(
             t,
         ])?;
     }
+    // Softmax with the normalisation after the products: `Σ eˢ·v / Σ eˢ`
+    // divides `D` values per query instead of every score, and the prefix
+    // and own parts need no concatenation.
+    let max_of = |s: &Array| s.max_axis(-1, true);
     let Some((shared_keys, shared_values)) = shared else {
-        let probs = softmax_axis(&own_scores, -1, true)?;
-        return Ok(probs.matmul(own.1)?.reshape(&[b, heads, l, d])?);
+        let e = exp_shifted(&own_scores, &max_of(&own_scores)?)?;
+        let sum = e.sum_axis(-1, true)?;
+        return Ok(e.matmul(own.1)?.divide(sum)?.reshape(&[b, heads, l, d])?);
     };
     // Every row's queries against the prefix at once: `(kv_heads, B·group·L, D)`.
-    let p = shared_keys.dim(1);
     let across = |a: &Array, width: i32| -> Result<Array> {
         Ok(a.transpose_axes(&[1, 0, 2, 3])?
             .reshape(&[kv_heads, b * group * l, width])?)
@@ -58,12 +62,18 @@ pub(crate) fn attention(
         Ok(a.reshape(&[kv_heads, b, group * l, width])?
             .transpose_axes(&[1, 0, 2, 3])?)
     };
-    let shared_scores = back(across(&q, d)?.matmul(shared_keys.swap_axes(-1, -2)?)?, p)?;
-    let probs = softmax_axis(concatenate(&[shared_scores, own_scores], -1)?, -1, true)?;
-    let from_shared = back(
-        across(&probs.index((.., .., .., ..p)), p)?.matmul(shared_values)?,
-        d,
-    )?;
-    let from_own = probs.index((.., .., .., p..)).matmul(own.1)?;
-    Ok(from_shared.add(from_own)?.reshape(&[b, heads, l, d])?)
+    // The prefix's scores stay in the across-rows layout: exponentials,
+    // sums and the product with the values read them contiguously, and only
+    // per-query columns (maximum, sum) and the `D`-wide result change layout.
+    let shared_scores = across(&q, d)?.matmul(shared_keys.swap_axes(-1, -2)?)?;
+    let max = maximum(back(max_of(&shared_scores)?, 1)?, max_of(&own_scores)?)?;
+    let e_shared = exp_shifted(&shared_scores, &across(&max, 1)?)?;
+    let e_own = exp_shifted(&own_scores, &max)?;
+    let sum = back(e_shared.sum_axis(-1, true)?, 1)?.add(e_own.sum_axis(-1, true)?)?;
+    let from_shared = back(e_shared.matmul(shared_values)?, d)?;
+    let from_own = e_own.matmul(own.1)?;
+    Ok(from_shared
+        .add(from_own)?
+        .divide(sum)?
+        .reshape(&[b, heads, l, d])?)
 }

@@ -60,6 +60,7 @@ mod cache;
 mod config;
 mod engine;
 mod error;
+mod fused;
 mod generate;
 mod gguf;
 mod model;
