@@ -116,10 +116,10 @@ impl Weights<'_> {
 /// `wᵀ`, evaluated as a contiguous matrix so the original can be dropped.
 ///
 /// Dense weights are held as `(in, out)`: with the product `x · W` on rows
-/// of few tokens (decoding), OpenBLAS repacks that layout faster than the
-/// checkpoint's `(out, in)` read transposed, about a tenth less time per
-/// product at 8 and 32 rows (the same at hundreds), measured on the project's
-/// machine. Done once at load, a matrix at a time.
+/// of few tokens (decoding), OpenBLAS repacks that layout somewhat faster
+/// than the checkpoint's `(out, in)` read transposed (a micro-benchmark on
+/// the project's machine; no difference at hundreds of rows). Done once at
+/// load, a matrix at a time, so loading holds one extra matrix at most.
 fn transposed(w: &Array) -> Result<Array> {
     let t = w.t().contiguous()?;
     t.eval()?;
