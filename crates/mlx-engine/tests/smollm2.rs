@@ -108,12 +108,7 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
             .unwrap();
         last.eval().unwrap();
         let want_logits: Vec<f32> = serde_json::from_value(want["logits"].clone()).unwrap();
-        let worst = last
-            .as_slice::<f32>()
-            .iter()
-            .zip(&want_logits)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = largest_difference(last.as_slice::<f32>(), &want_logits);
         assert!(
             worst <= 1e-3,
             "logits of {prompt:?} differ by up to {worst}"
@@ -171,14 +166,18 @@ fn quantized_import_agrees_with_f32_import() {
     let dense = last(&f32_dir, QuantizedWeights::DequantizeF32);
     for mode in [QuantizedWeights::Keep, QuantizedWeights::DequantizeOnUse] {
         let quantized = last(&q4_dir, mode);
-        let worst = dense
-            .iter()
-            .zip(&quantized)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = largest_difference(&dense, &quantized);
         assert!(
             worst <= 1e-2,
             "{mode:?}: quantized and f32 logits differ by up to {worst}"
         );
     }
+}
+
+/// The largest absolute difference between two equally long vectors.
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max)
 }
