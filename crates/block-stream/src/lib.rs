@@ -47,7 +47,7 @@ pub use device::{
 };
 pub use error::{Error, Result};
 pub use lora::{BlockLoraSource, DenseLoraFuser, LoraFuser, LoraPair, QuantizedLoraFuser};
-pub use memory::ProcessMemory;
+pub use memory::{retain_freed_memory, ProcessMemory};
 pub use streamer::BlockStreamer;
 
 /// Compiles the README's example with the doc-tests, so that it stays true.

@@ -28,6 +28,11 @@ fn main() -> Result<()> {
         return import_gguf(&args[1..]);
     }
     let options = Options::parse(&args)?;
+    // The engine's MLX work frees and reallocates buffers all the time;
+    // keeping freed memory spares the kernel faulting it in again (see its
+    // docs). After the streaming children are dispatched: their memory
+    // figures are measured with the allocator's defaults.
+    block_stream::retain_freed_memory();
     let device = use_device(best_device())?;
     println!("== MLX on this machine");
     println!(

@@ -52,6 +52,10 @@ fn conversations(n: usize) -> Vec<Vec<Message>> {
 }
 
 fn child(dir: &Path, n: usize, batch: usize, max_tokens: usize) {
+    // What an application running the engine on glibc should do (see its
+    // docs); mlx_lm runs with the allocator's defaults, which suit it as
+    // well (docs/mlx-engine.md).
+    block_stream::retain_freed_memory();
     let convs = conversations(n);
     let engine = MlxEngine::new(EngineConfig {
         model_dir: dir.to_path_buf(),
