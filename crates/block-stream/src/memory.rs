@@ -71,9 +71,10 @@ fn peak_rss_from_rusage() -> Option<u64> {
 /// the trim threshold, and the next operations fault the same pages back
 /// in, each one zeroed by the kernel: about a million page faults (four
 /// gigabytes) for 32 conversations of the engine benchmark, which ran
-/// about a fifth faster without them. This fixes the size from which blocks are mapped on their own at
-/// 32 MiB (glibc's ceiling for its adaptive threshold) and keeps 64 MiB free
-/// at the top of a heap when it shrinks. Peak RSS stayed the same in the
+/// about a fifth faster without them. This fixes the size from which
+/// blocks are mapped on their own at 32 MiB (glibc's ceiling for its
+/// adaptive threshold) and keeps 64 MiB free at the top of a heap when it
+/// shrinks. Peak RSS stayed the same in the
 /// benchmark (`docs/mlx-engine.md`); up to 64 MiB per heap stays resident
 /// after the work is done.
 ///
