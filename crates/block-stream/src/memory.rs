@@ -44,16 +44,17 @@ impl ProcessMemory {
     }
 }
 
-fn peak_rss_from_rusage() -> Option<u64> {
+/// `getrusage(who)`: the process's or (Linux) the calling thread's usage.
+fn rusage(who: libc::c_int) -> Option<libc::rusage> {
     // SAFETY: getrusage fills the zero-initialised struct we own.
-    let usage = unsafe {
+    unsafe {
         let mut usage: libc::rusage = std::mem::zeroed();
-        if libc::getrusage(libc::RUSAGE_SELF, &mut usage) != 0 {
-            return None;
-        }
-        usage
-    };
-    let max = u64::try_from(usage.ru_maxrss).ok()?;
+        (libc::getrusage(who, &mut usage) == 0).then_some(usage)
+    }
+}
+
+fn peak_rss_from_rusage() -> Option<u64> {
+    let max = u64::try_from(rusage(libc::RUSAGE_SELF)?.ru_maxrss).ok()?;
     // ru_maxrss is in bytes on macOS and in KiB elsewhere.
     Some(if cfg!(target_os = "macos") {
         max
@@ -122,12 +123,7 @@ mod tests {
     /// Minor page faults of the calling thread so far.
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn thread_faults() -> i64 {
-        // SAFETY: getrusage fills the zero-initialised struct we own.
-        unsafe {
-            let mut usage: libc::rusage = std::mem::zeroed();
-            assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut usage), 0);
-            usage.ru_minflt
-        }
+        rusage(libc::RUSAGE_THREAD).unwrap().ru_minflt
     }
 
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
