@@ -261,6 +261,11 @@ impl AdapterCodec {
 /// Runs `write` against a temporary file beside `dst`, then fsyncs and
 /// renames it to `dst`. On any error the temporary file is removed and
 /// `dst` is untouched.
+///
+/// The temporary file is `.{name}.partial-*`, locked (an OS file lock, which
+/// dies with its process) while it is written. A process killed mid-write
+/// cannot remove its file; the next write to the same `dst` removes every
+/// such file whose lock nobody holds, so orphans do not pile up.
 pub(crate) fn write_atomically<T>(
     dst: &Path,
     write: impl FnOnce(&mut dyn Write) -> Result<T>,
@@ -273,17 +278,44 @@ pub(crate) fn write_atomically<T>(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
+    let name = dst
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let prefix = format!(".{name}.partial-");
+    remove_orphans(dir, &prefix);
     let mut builder = tempfile::Builder::new();
-    builder.prefix(".partial-");
+    builder.prefix(&prefix);
     // Temporary files are private (0600) by default; the renamed result
     // should be an ordinary file.
     #[cfg(unix)]
     builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644));
     let temp = builder.tempfile_in(dir).map_err(io_err)?;
+    temp.as_file().try_lock().map_err(|e| io_err(e.into()))?;
     let mut out = BufWriter::new(temp);
     let value = write(&mut out)?;
     let temp = out.into_inner().map_err(|e| io_err(e.into_error()))?;
     temp.as_file().sync_all().map_err(io_err)?;
     temp.persist(dst).map_err(|e| io_err(e.error))?;
     Ok(value)
+}
+
+/// Removes the `{prefix}*` files in `dir` that no live writer holds locked.
+/// Best effort: a file that cannot be opened or removed is left alone.
+fn remove_orphans(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(prefix) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = std::fs::OpenOptions::new().write(true).open(&path) else {
+            continue;
+        };
+        if file.try_lock().is_ok() {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
 }

@@ -1,9 +1,8 @@
-//! One zstd frame over a whole buffer, written out in pieces.
+//! One zstd frame over a whole buffer, exactly as the reference makes it.
 
 use std::io::Write;
 
-use zstd::zstd_safe::zstd_sys::ZSTD_EndDirective;
-use zstd::zstd_safe::{self, CParameter, InBuffer, OutBuffer};
+use zstd::zstd_safe::{self, CParameter};
 
 /// The default level, the reference's.
 pub const DEFAULT_LEVEL: i32 = 19;
@@ -15,10 +14,13 @@ fn zstd_error(code: usize) -> std::io::Error {
 /// Compresses `data` as one frame (content size in the header, no checksum)
 /// into `sink`, returning the compressed length.
 ///
-/// The whole input is handed to zstd in one `ZSTD_e_end` call, which makes
-/// zstd choose its parameters for the full size exactly as a one-shot
-/// `ZSTD_compress2` would, so the frame is byte-identical to the
-/// reference's; only the output is streamed, through a small buffer.
+/// The frame is made in one `ZSTD_compress2` call into an output buffer of
+/// `ZSTD_compressBound(len)` bytes. That is the path Python `zstandard`'s
+/// `ZstdCompressor.compress` takes (it sizes its output the same way), so
+/// the bytes equal the reference's at every size. Streaming the output
+/// through a small buffer does not: once the input is larger than zstd's
+/// window, the streaming path cuts blocks differently (seen on a 27 MB
+/// adapter). Memory: the output buffer, about the input's size.
 pub fn compress_frame(data: &[u8], level: i32, sink: &mut dyn Write) -> std::io::Result<u64> {
     let mut cctx = zstd_safe::CCtx::create();
     cctx.set_parameter(CParameter::CompressionLevel(level))
@@ -27,23 +29,10 @@ pub fn compress_frame(data: &[u8], level: i32, sink: &mut dyn Write) -> std::io:
         .map_err(zstd_error)?;
     cctx.set_parameter(CParameter::ChecksumFlag(false))
         .map_err(zstd_error)?;
-    cctx.set_pledged_src_size(Some(data.len() as u64))
-        .map_err(zstd_error)?;
-    let mut input = InBuffer::around(data);
-    let mut chunk = vec![0u8; zstd_safe::CCtx::out_size()];
-    let mut written = 0u64;
-    loop {
-        let mut output = OutBuffer::around(&mut chunk[..]);
-        let remaining = cctx
-            .compress_stream2(&mut output, &mut input, ZSTD_EndDirective::ZSTD_e_end)
-            .map_err(zstd_error)?;
-        let out = output.as_slice();
-        sink.write_all(out)?;
-        written += out.len() as u64;
-        if remaining == 0 {
-            return Ok(written);
-        }
-    }
+    let mut out: Vec<u8> = Vec::with_capacity(zstd_safe::compress_bound(data.len()));
+    cctx.compress2(&mut out, data).map_err(zstd_error)?;
+    sink.write_all(&out)?;
+    Ok(out.len() as u64)
 }
 
 #[cfg(test)]
@@ -68,17 +57,17 @@ mod tests {
     }
 
     #[test]
-    fn streamed_output_equals_one_shot_compression() {
-        // Large enough for several 128 KiB blocks and more than one output
-        // buffer; small and large inputs pick different zstd parameters.
-        for len in [0, 100, 200_000, 3_000_000] {
+    fn frame_equals_one_shot_compression() {
+        // Small and large inputs pick different zstd parameters; the last
+        // is past level 19's 8 MiB window, where a streamed frame differs.
+        for len in [0, 100, 200_000, 3_000_000, 12_000_000] {
             let data = adapter_like(len);
-            let mut streamed = Vec::new();
-            let n = compress_frame(&data, DEFAULT_LEVEL, &mut streamed).unwrap();
-            assert_eq!(n as usize, streamed.len());
+            let mut frame = Vec::new();
+            let n = compress_frame(&data, DEFAULT_LEVEL, &mut frame).unwrap();
+            assert_eq!(n as usize, frame.len());
             let one_shot = zstd::bulk::compress(&data, DEFAULT_LEVEL).unwrap();
-            assert!(streamed == one_shot, "frames differ at {len} bytes");
-            assert_eq!(zstd::decode_all(&streamed[..]).unwrap(), data);
+            assert!(frame == one_shot, "frames differ at {len} bytes");
+            assert_eq!(zstd::decode_all(&frame[..]).unwrap(), data);
         }
     }
 }

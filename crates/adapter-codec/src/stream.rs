@@ -93,8 +93,9 @@ fn read_header(
     }
     let n = json_len(&prefix, known_len.unwrap_or(u64::MAX)).map_err(header_err)?;
     let mut bytes = prefix.to_vec();
-    bytes.resize(8 + n, 0);
-    let got = read_full(reader, &mut bytes[8..]).map_err(read_err)?;
+    // The declared length may be a lie (a few compressed bytes can claim
+    // 100 MB): the buffer grows with what actually arrives.
+    let got = read_growing(reader, &mut bytes, n).map_err(read_err)?;
     if got < n {
         return Err(Error::Truncated {
             path: path.to_path_buf(),
@@ -111,8 +112,17 @@ fn read_header(
     Ok((bytes, header, dtype))
 }
 
-/// Reads one tensor's `len` bytes into `buf` (resized), or reports where
-/// the data ended.
+/// Appends up to `len` bytes from `reader` to `buf`, growing `buf` only as
+/// bytes arrive (never by what `len` claims); returns how many came.
+fn read_growing(reader: &mut dyn Read, buf: &mut Vec<u8>, len: usize) -> io::Result<usize> {
+    let before = buf.len();
+    reader.take(len as u64).read_to_end(buf)?;
+    Ok(buf.len() - before)
+}
+
+/// Reads one tensor's `len` bytes into `buf` (replacing its contents), or
+/// reports where the data ended. Memory follows the bytes read, so a header
+/// that declares terabytes over a short stream costs nothing.
 fn read_tensor(
     reader: &mut dyn Read,
     buf: &mut Vec<u8>,
@@ -121,8 +131,8 @@ fn read_tensor(
     path: &Path,
     read_err: &dyn Fn(io::Error) -> Error,
 ) -> Result<()> {
-    buf.resize(len, 0);
-    let got = read_full(reader, buf).map_err(read_err)?;
+    buf.clear();
+    let got = read_growing(reader, buf, len).map_err(read_err)?;
     if got < len {
         return Err(Error::Truncated {
             path: path.to_path_buf(),
@@ -152,9 +162,10 @@ fn expect_end(
 /// `src_len`, when known, lets the header be checked against the input's
 /// length before any data is read.
 ///
-/// Memory: one shuffled copy of the adapter (zstd needs the whole input to
-/// produce the reference's exact frame) plus zstd's own tables; the input is
-/// read and the output written in small chunks.
+/// Memory: one shuffled copy of the adapter and the compressed output (zstd
+/// needs the whole input at once, and an output buffer of its bound, to
+/// produce the reference's exact frame), the largest tensor's raw bytes,
+/// and zstd's own tables.
 pub fn encode_stream(
     src: &mut dyn Read,
     src_len: Option<u64>,
@@ -170,31 +181,28 @@ pub fn encode_stream(
     let (header_bytes, header, dtype) = read_header(src, src_len, ends.source, &read_err)?;
     let t = typesize(dtype).expect("adapter_dtype accepts only shuffleable dtypes");
     let total = header.file_len();
-    let mut shuffled = Vec::with_capacity(total);
+    let mut shuffled = Vec::new();
+    if src_len.is_some() {
+        // The header was checked against the input's real length.
+        shuffled.reserve_exact(total);
+    }
     shuffled.extend_from_slice(&header_bytes);
-    shuffled.resize(total, 0);
-    let mut chunk = Vec::with_capacity(CHUNK);
-    let mut done = header_bytes.len() as u64;
+    let mut raw = Vec::new();
     for info in header.tensors() {
-        let n = info.byte_len() / t;
-        let start = header.data_start() + info.data_offsets.0;
-        let out = &mut shuffled[start..start + info.byte_len()];
-        let mut first = 0;
-        while first < n {
-            let count = (n - first).min(CHUNK / t);
-            read_tensor(
-                src,
-                &mut chunk,
-                count * t,
-                &info.name,
-                ends.source,
-                &read_err,
-            )?;
-            shuffle_chunk(&chunk, t, first, n, out);
-            first += count;
-            done += (count * t) as u64;
-            progress(done, total as u64);
-        }
+        // Tensors tile the body in this order, so each one's shuffled bytes
+        // go right after the previous one's.
+        read_tensor(
+            src,
+            &mut raw,
+            info.byte_len(),
+            &info.name,
+            ends.source,
+            &read_err,
+        )?;
+        let start = shuffled.len();
+        shuffled.resize(start + raw.len(), 0);
+        shuffle_chunk(&raw, t, 0, raw.len() / t, &mut shuffled[start..]);
+        progress(shuffled.len() as u64, total as u64);
     }
     expect_end(src, ends.source, &read_err)?;
     let compressed_bytes = compress_frame(&shuffled, level, dst).map_err(|source| Error::Io {
@@ -213,7 +221,8 @@ pub fn encode_stream(
 /// frames, with or without content size or checksum) and writes the
 /// restored safetensors bytes to `dst`.
 ///
-/// Memory: the largest tensor (its shuffled bytes) plus a small chunk.
+/// Memory: the largest tensor (its shuffled bytes) plus a small chunk; it
+/// grows with the bytes actually decompressed, whatever the header claims.
 pub fn decode_stream(
     src: &mut dyn Read,
     dst: &mut dyn Write,

@@ -316,3 +316,111 @@ fn failed_decode_keeps_an_existing_destination() {
     assert!(f.codec.decode(&dst).is_err());
     assert_eq!(std::fs::read(&dst).unwrap(), b"old");
 }
+
+/// A `.zst` of a header alone: one F32 tensor that claims `elements`
+/// elements, and no data. A hundred bytes that promise terabytes.
+fn bomb(elements: u64) -> Vec<u8> {
+    let json = format!(
+        r#"{{"w":{{"dtype":"F32","shape":[{elements}],"data_offsets":[0,{}]}}}}"#,
+        elements * 4
+    );
+    zstd::bulk::compress(&raw_file(&json, b""), 19).unwrap()
+}
+
+/// The process's peak resident set so far, in bytes (Linux; `None` elsewhere).
+fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+#[test]
+fn a_header_claiming_exabytes_is_truncated_not_a_crash() {
+    // 2^61 F32 elements: 2^63 bytes. Allocating the claim overflows.
+    let zst = bomb(1 << 61);
+    assert!(zst.len() < 200, "{} bytes", zst.len());
+    let (_, err) = decode_err(&zst);
+    assert!(
+        matches!(&err, Error::Truncated { tensor: Some(t), .. } if t == "w"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_header_claiming_terabytes_is_truncated_not_an_abort() {
+    // 2^40 elements: 4 TiB, which the allocator refuses by aborting.
+    let (_, err) = decode_err(&bomb(1 << 40));
+    assert!(matches!(&err, Error::Truncated { .. }), "{err:?}");
+}
+
+#[test]
+fn memory_follows_the_decoded_bytes_not_the_header() {
+    // 3 GiB claimed, nothing sent: decoding may not touch gigabytes. (The
+    // peak is process-wide; the other tests here use a few MB at most.)
+    let before = peak_rss();
+    let (_, err) = decode_err(&bomb(3 << 28));
+    assert!(matches!(&err, Error::Truncated { .. }), "{err:?}");
+    if let (Some(before), Some(after)) = (before, peak_rss()) {
+        let grew = after.saturating_sub(before);
+        assert!(grew < 256 << 20, "peak RSS grew by {} MB", grew >> 20);
+    }
+}
+
+#[test]
+fn encoding_a_stream_of_unknown_length_does_not_trust_its_header() {
+    // From a reader with no known length the header cannot be checked
+    // against the input first; memory must still follow the bytes read.
+    let json = r#"{"w":{"dtype":"F32","shape":[1099511627776],"data_offsets":[0,4398046511104]}}"#;
+    let input = raw_file(json, &[0u8; 64]);
+    let mut out = Vec::new();
+    let err = adapter_codec::encode_stream(
+        &mut &input[..],
+        None,
+        &mut out,
+        3,
+        adapter_codec::Ends {
+            source: std::path::Path::new("stream.safetensors"),
+            sink: std::path::Path::new("out.zst"),
+        },
+        &mut |_, _| {},
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::Truncated { tensor: Some(t), expected, .. } if t == "w" && *expected == (1 << 42) - 64),
+        "{err:?}"
+    );
+    assert!(
+        out.is_empty(),
+        "nothing is written before the input is read whole"
+    );
+}
+
+#[test]
+fn partial_files_of_dead_writers_are_removed_by_the_next_write() {
+    let f = fixture(&adapter(&[("a", St::F32, 100)]));
+    f.codec.encode(&f.src).unwrap();
+    let out = f.dir.path().join("out.safetensors");
+    // A writer killed mid-decode leaves its temporary file, unlocked; a
+    // live writer holds its file locked.
+    let dead = f.dir.path().join(".out.safetensors.partial-dead01");
+    let live = f.dir.path().join(".out.safetensors.partial-live01");
+    std::fs::write(&dead, vec![7u8; 4096]).unwrap();
+    std::fs::write(&live, b"still being written").unwrap();
+    let holder = std::fs::OpenOptions::new().write(true).open(&live).unwrap();
+    holder.lock().unwrap();
+    let other = f.dir.path().join(".adapters.safetensors.partial-other1");
+    std::fs::write(&other, b"another file's").unwrap();
+
+    f.codec.decode(&out).unwrap();
+    assert!(!dead.exists(), "the dead writer's file stays");
+    assert!(live.exists(), "a live writer's file was removed");
+    assert!(other.exists(), "a file for another output was removed");
+    assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&f.src).unwrap());
+    drop(holder);
+}

@@ -185,6 +185,119 @@ fn python_zstandard_produces_the_same_frame() {
     );
 }
 
+/// Trained-looking adapter values: small, roughly normal, every bit of the
+/// mantissa busy, so zstd works as hard as on a real adapter.
+fn adapter_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut uniform = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|_| {
+            // Sum of uniforms: close enough to a bell curve.
+            let s: f64 = (0..4).map(|_| uniform()).sum::<f64>() - 2.0;
+            (s * 0.02) as f32
+        })
+        .collect()
+}
+
+/// An adapter of `tensors` × `elements` values of `dtype`, as a file.
+fn big_adapter(dtype: St, tensors: usize, elements: usize) -> Vec<u8> {
+    let data: Vec<Vec<u8>> = (0..tensors)
+        .map(|k| {
+            let values = adapter_values(elements, k as u64 + 1);
+            match dtype {
+                St::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                _ => values
+                    .iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+            }
+        })
+        .collect();
+    let names: Vec<String> = (0..tensors)
+        .map(|k| {
+            format!(
+                "model.layers.{}.mlp.down_proj.lora_{}",
+                k / 2,
+                ["a", "b"][k % 2]
+            )
+        })
+        .collect();
+    let views: Vec<_> = names
+        .iter()
+        .zip(&data)
+        .map(|(n, d)| {
+            (
+                n.as_str(),
+                safetensors::tensor::TensorView::new(dtype, vec![elements], d).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize(views, None).unwrap()
+}
+
+/// Our `.zst` of a real-size adapter (past zstd's 8 MiB window at level
+/// 19) must be the reference encoder's, byte for byte: the committed
+/// `tests/reference/encode.py` does what the Python original does, with
+/// its zstd binding.
+fn reference_encoder_agrees_past_the_window(dtype: St, name: &str) {
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python)
+        .args(["-c", "import zstandard"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIP {name}: {python} lacks `zstandard`");
+        return;
+    }
+    // 34 MB of tensors: four zstd windows and more.
+    let bytes_per = if dtype == St::F32 { 4 } else { 2 };
+    let bytes = big_adapter(dtype, 16, (34 << 20) / 16 / bytes_per);
+    let f = fixture(&bytes);
+    f.codec.encode(&f.src).unwrap();
+    let ours = std::fs::read(f.codec.zst_path()).unwrap();
+    let theirs = f.dir.path().join("reference.zst");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/encode.py");
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg(&f.src)
+        .arg(&theirs)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs = std::fs::read(&theirs).unwrap();
+    let first_difference = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+    assert!(
+        ours == theirs,
+        "{name}: ours {} bytes, the reference's {}, first difference at {first_difference:?}",
+        ours.len(),
+        theirs.len()
+    );
+}
+
+#[test]
+fn reference_encoder_agrees_on_a_34_mb_f32_adapter() {
+    reference_encoder_agrees_past_the_window(
+        St::F32,
+        "reference_encoder_agrees_on_a_34_mb_f32_adapter",
+    );
+}
+
+#[test]
+fn reference_encoder_agrees_on_a_34_mb_bf16_adapter() {
+    reference_encoder_agrees_past_the_window(
+        St::BF16,
+        "reference_encoder_agrees_on_a_34_mb_bf16_adapter",
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
 
