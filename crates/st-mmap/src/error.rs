@@ -15,6 +15,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The path names a directory or another non-file.
+    #[error("{path}: not a regular file")]
+    NotAFile { path: PathBuf },
     /// The file's header is invalid.
     #[error("{path}: invalid safetensors header: {source}")]
     Header {

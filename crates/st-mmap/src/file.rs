@@ -47,6 +47,12 @@ impl SafetensorsFile {
     pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile> {
         let path = path.as_ref().to_path_buf();
         let file = File::open(&path).map_err(io_error(&path))?;
+        let meta = file.metadata().map_err(io_error(&path))?;
+        if !meta.is_file() {
+            // Mapping a directory or a device fails with an obscure OS
+            // message ("No such device"); say what is wrong instead.
+            return Err(Error::NotAFile { path });
+        }
         // SAFETY: mapping is sound as long as the file is not changed while
         // mapped; that contract is the caller's, stated above. The map is
         // read-only, so we never write through it.

@@ -78,8 +78,14 @@ impl SafetensorsSet {
         shard_names.sort();
         shard_names.dedup();
         for name in &shard_names {
-            // The index must not point outside the model directory.
-            if Path::new(name).components().count() != 1 {
+            // The index must name files in the model directory: one plain
+            // component ("." and ".." are components too, but not files).
+            let mut parts = Path::new(name).components();
+            let plain = matches!(
+                (parts.next(), parts.next()),
+                (Some(std::path::Component::Normal(_)), None)
+            );
+            if !plain {
                 return Err(Error::InvalidIndex {
                     path: index_path.to_path_buf(),
                     message: format!("shard name {name:?} is not a plain file name"),

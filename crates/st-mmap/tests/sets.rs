@@ -148,6 +148,25 @@ fn index_routes_and_is_cross_checked() {
         Err(Error::InvalidIndex { .. })
     ));
 
+    // The index names the directory itself, or its parent, as a shard.
+    for name in [".", "..", "./", "sub/.."] {
+        write_index(dir.path(), &[("x", name)]);
+        let err = SafetensorsSet::open_dir(dir.path()).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidIndex { message, .. } if message.contains("plain file name")),
+            "{name}: {err}"
+        );
+    }
+    // A shard name that is a folder inside the model directory.
+    fs::create_dir_all(dir.path().join("folder.safetensors")).unwrap();
+    write_index(dir.path(), &[("x", "folder.safetensors")]);
+    let err = SafetensorsSet::open_dir(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, Error::NotAFile { path } if path.ends_with("folder.safetensors")),
+        "{err}"
+    );
+    fs::remove_dir(dir.path().join("folder.safetensors")).unwrap();
+
     // The index is not an index.
     fs::write(dir.path().join(INDEX_FILE), "{\"weights\": 1}").unwrap();
     assert!(matches!(
