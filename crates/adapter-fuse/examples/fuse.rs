@@ -15,7 +15,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use adapter_codec::AdapterCodec;
-use adapter_fuse::{ensure_fused_with_progress, FuseProgress, FuseReporter, ProgressBars};
+use adapter_fuse::{FuseOptions, FuseProgress, FuseReporter, ProgressBars};
 use anyhow::{ensure, Context, Result};
 use safetensors::{serialize_to_file, tensor::TensorView, Dtype};
 
@@ -29,13 +29,18 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.as_slice() {
         [] => self_contained(),
-        [model, adapter] => fuse(model, Path::new(adapter), Path::new(adapter)),
+        [model, adapter] => fuse(
+            &FuseOptions::from_env(),
+            model,
+            Path::new(adapter),
+            Path::new(adapter),
+        ),
         _ => anyhow::bail!("usage: fuse [MODEL ADAPTER_DIR]"),
     }
 }
 
 /// Encodes the adapter next to itself and fuses it into `model`, twice.
-fn fuse(model: &str, adapter: &Path, out: &Path) -> Result<()> {
+fn fuse(options: &FuseOptions, model: &str, adapter: &Path, out: &Path) -> Result<()> {
     let codec = AdapterCodec::new(
         out.join("adapters.safetensors.zst"),
         adapter.join("adapter_config.json"),
@@ -52,11 +57,15 @@ fn fuse(model: &str, adapter: &Path, out: &Path) -> Result<()> {
         let start = Instant::now();
         let mut hit = false;
         let mut bars = ProgressBars::default();
-        let path =
-            ensure_fused_with_progress(model, &codec, "example--fused", |e: FuseProgress| {
+        let path = options.ensure_fused_with_progress(
+            model,
+            &codec,
+            "example--fused",
+            |e: FuseProgress| {
                 hit |= e == FuseProgress::Hit;
                 bars.report(e);
-            })?;
+            },
+        )?;
         let what = if hit { "cache hit" } else { "fused" };
         let secs = start.elapsed().as_secs_f64();
         println!("{call} call: {what} in {secs:.3} s → {}", path.display());
@@ -67,7 +76,7 @@ fn fuse(model: &str, adapter: &Path, out: &Path) -> Result<()> {
 fn self_contained() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     // Everything, the hub cache included, stays inside the temp dir.
-    std::env::set_var("HF_HUB_CACHE", tmp.path().join("hub"));
+    let options = FuseOptions::from_env().with_cache_root(tmp.path().join("hub"));
     let (model, adapter) = (tmp.path().join("model"), tmp.path().join("adapter"));
     std::fs::create_dir_all(&model)?;
     std::fs::create_dir_all(&adapter)?;
@@ -93,6 +102,7 @@ fn self_contained() -> Result<()> {
     std::fs::write(adapter.join("adapter_config.json"), config)?;
 
     fuse(
+        &options,
         model.to_str().context("temp path is not UTF-8")?,
         &adapter,
         &adapter,
@@ -104,7 +114,7 @@ fn self_contained() -> Result<()> {
         adapter.join("adapter_config.json"),
     );
     let fused_dir =
-        adapter_fuse::ensure_fused(model.to_str().unwrap_or_default(), &codec, "example--fused")?;
+        options.ensure_fused(model.to_str().unwrap_or_default(), &codec, "example--fused")?;
     let bytes = std::fs::read(fused_dir.join("model.safetensors"))?;
     let fused = safetensors::SafeTensors::deserialize(&bytes)?;
     let got: Vec<f32> = fused

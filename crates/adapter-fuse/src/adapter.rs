@@ -1,7 +1,7 @@
 //! An mlx_lm LoRA adapter: `adapter_config.json` + `adapters.safetensors`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use st_mmap::SafetensorsFile;
 
@@ -17,17 +17,29 @@ pub(crate) struct LoraAdapter {
     pub file: SafetensorsFile,
 }
 
+/// What errors call the adapter's two files: the shipped files a user
+/// knows, not the decoded copies in a work folder that is gone by the time
+/// the error is read.
+#[derive(Debug, Clone)]
+pub(crate) struct Names {
+    /// The `adapter_config.json` as shipped.
+    pub config: PathBuf,
+    /// The compressed adapter as shipped.
+    pub weights: PathBuf,
+}
+
 impl LoraAdapter {
-    /// Reads `dir/adapter_config.json` and maps `dir/adapters.safetensors`.
-    pub fn open(dir: &Path) -> Result<LoraAdapter> {
+    /// Reads `dir/adapter_config.json` and maps `dir/adapters.safetensors`;
+    /// errors name the files as `names` gives them.
+    pub fn open(dir: &Path, names: &Names) -> Result<LoraAdapter> {
         let config_path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(io(&config_path))?;
+        let text = std::fs::read_to_string(&config_path).map_err(io(&names.config))?;
         let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
-            path: config_path.clone(),
+            path: names.config.clone(),
             message: e.to_string(),
         })?;
         let bad = |message: String| Error::Adapter {
-            path: config_path.clone(),
+            path: names.config.clone(),
             message,
         };
         match config.get("fine_tune_type").and_then(|v| v.as_str()) {
@@ -44,9 +56,14 @@ impl LoraAdapter {
             .as_f64()
             .ok_or_else(|| bad("lora_parameters.scale is not a number".to_owned()))?
             as f32;
+        if !scale.is_finite() {
+            return Err(bad(format!(
+                "lora_parameters.scale {scale} is not a finite 32-bit float"
+            )));
+        }
 
-        let weights = dir.join("adapters.safetensors");
-        let file = SafetensorsFile::open(&weights)?;
+        let file = SafetensorsFile::open(dir.join("adapters.safetensors"))?;
+        let weights = names.weights.clone();
         let mut halves: BTreeMap<String, (Option<String>, Option<String>)> = BTreeMap::new();
         for info in file.header().tensors() {
             if let Some(module) = info.name.strip_suffix(".lora_a") {

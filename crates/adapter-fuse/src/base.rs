@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::cache::repo_folder;
 use crate::error::{Error, Result};
+use crate::options::FuseOptions;
 
 /// Files of a model repo that a loader needs; other files (PyTorch or GGUF
 /// weights, images) are not downloaded.
@@ -20,16 +21,6 @@ fn wanted(file: &str) -> bool {
     ]
     .iter()
     .any(|ext| file.ends_with(ext))
-}
-
-/// Whether `HF_HUB_OFFLINE` asks for no network.
-pub(crate) fn offline() -> bool {
-    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "1" | "true" | "yes" | "on"
-        )
-    })
 }
 
 /// The snapshot folder of `repo` in the cache, if it holds a complete model:
@@ -69,46 +60,76 @@ fn complete(dir: &Path) -> bool {
 
 /// The folder holding the base model `model`: a local folder as given, the
 /// cached snapshot of a hub repo, or that snapshot after downloading it.
-pub(crate) fn resolve(model: &str, root: &Path, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+pub(crate) fn resolve(
+    model: &str,
+    options: &FuseOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PathBuf> {
     let local = Path::new(model);
     if local.is_dir() {
         return Ok(local.to_path_buf());
     }
+    let root = options.cache_root();
     if let Some(snapshot) = cached_snapshot(root, model) {
+        tracing::debug!(repo = model, snapshot = %snapshot.display(), "base model found in the hub cache");
         return Ok(snapshot);
     }
-    if offline() {
+    if options.offline {
         return Err(Error::Offline {
             repo: model.to_owned(),
             cache: root.to_path_buf(),
         });
     }
-    download(model, root, progress)
+    download(model, options, progress)
 }
 
-fn download(repo: &str, root: &Path, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+fn download(repo: &str, options: &FuseOptions, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
     let fail = |message: String| Error::Download {
         repo: repo.to_owned(),
         message,
     };
-    let mut builder = hf_hub::api::sync::ApiBuilder::from_env()
-        .with_cache_dir(root.to_path_buf())
-        .with_progress(false);
-    if let Ok(token) = std::env::var("HF_TOKEN") {
-        builder = builder.with_token(Some(token));
+    let mut builder = hf_hub::api::sync::ApiBuilder::from_cache(hf_hub::Cache::new(
+        options.cache_root().to_path_buf(),
+    ))
+    .with_progress(false);
+    if let Some(endpoint) = &options.endpoint {
+        builder = builder.with_endpoint(endpoint.clone());
+    }
+    if let Some(token) = &options.token {
+        builder = builder.with_token(Some(token.clone()));
     }
     let api = builder.build().map_err(|e| fail(e.to_string()))?;
-    let remote = api.model(repo.to_owned());
-    let info = remote.info().map_err(|e| fail(e.to_string()))?;
+    let info = {
+        let _span = tracing::info_span!("repo_info", repo).entered();
+        let remote = api.model(repo.to_owned());
+        watched(repo, "repo info", options.stall_timeout, move |_| {
+            remote.info()
+        })?
+        .map_err(|e| fail(e.to_string()))?
+    };
+    let cache = hf_hub::Cache::new(options.cache_root().to_path_buf());
     let mut snapshot = None;
     for sibling in info.siblings.iter().filter(|s| wanted(&s.rfilename)) {
-        progress(&sibling.rfilename);
-        let path = remote
-            .get(&sibling.rfilename)
-            .map_err(|e| fail(format!("{}: {e}", sibling.rfilename)))?;
+        let file = sibling.rfilename.clone();
+        let _span = tracing::info_span!("download", repo, file = %file).entered();
+        progress(&file);
+        let path = match cache.model(repo.to_owned()).get(&file) {
+            Some(path) => {
+                tracing::debug!("already in the cache");
+                path
+            }
+            None => {
+                let remote = api.model(repo.to_owned());
+                let name = file.clone();
+                watched(repo, &file, options.stall_timeout, move |tick| {
+                    remote.download_with_progress(&name, Ticks(tick))
+                })?
+                .map_err(|e| fail(format!("{file}: {e}")))?
+            }
+        };
         // Files land in snapshots/{sha}/…; remember that folder.
         let mut dir = path.clone();
-        for _ in sibling.rfilename.split('/') {
+        for _ in file.split('/') {
             dir.pop();
         }
         snapshot = Some(dir);
@@ -121,4 +142,75 @@ fn download(repo: &str, root: &Path, progress: &mut dyn FnMut(&str)) -> Result<P
         )));
     }
     Ok(snapshot)
+}
+
+/// Tells the watcher each time hf-hub writes downloaded bytes.
+struct Ticks(crossbeam_channel::Sender<()>);
+
+impl hf_hub::api::Progress for Ticks {
+    fn init(&mut self, _size: usize, _filename: &str) {
+        let _ = self.0.send(());
+    }
+
+    fn update(&mut self, _size: usize) {
+        let _ = self.0.send(());
+    }
+
+    fn finish(&mut self) {}
+}
+
+/// Runs a hub request on its own thread and waits for it while it makes
+/// progress: a wait of `timeout` with no byte received is
+/// [`Error::Stalled`] naming `file`.
+///
+/// hf-hub builds its HTTP agent itself and sets no timeouts, so a peer that
+/// accepts and then goes silent would block forever in a read. The watcher
+/// returns instead; the blocked thread is left behind (detached) until the
+/// peer closes the connection or the process ends. A later attempt resumes
+/// the download where the data stopped.
+fn watched<T: Send + 'static>(
+    repo: &str,
+    file: &str,
+    timeout: std::time::Duration,
+    job: impl FnOnce(crossbeam_channel::Sender<()>) -> T + Send + 'static,
+) -> Result<T> {
+    let (done_tx, done_rx) = crossbeam_channel::bounded::<T>(1);
+    let (tick_tx, mut ticks) = crossbeam_channel::unbounded::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("hub-download".into())
+        .spawn(move || {
+            let value = job(tick_tx);
+            let _ = done_tx.send(value);
+        });
+    spawned.map_err(|e| Error::Download {
+        repo: repo.to_owned(),
+        message: format!("cannot start a download thread: {e}"),
+    })?;
+    loop {
+        crossbeam_channel::select! {
+            recv(done_rx) -> msg => match msg {
+                Ok(value) => return Ok(value),
+                Err(_) => {
+                    return Err(Error::Download {
+                        repo: repo.to_owned(),
+                        message: format!("{file}: the download thread panicked"),
+                    })
+                }
+            },
+            recv(ticks) -> tick => {
+                if tick.is_err() {
+                    // The job has finished with its ticks; its result is next.
+                    ticks = crossbeam_channel::never();
+                }
+            }
+            default(timeout) => {
+                tracing::warn!(repo, file, ?timeout, "download stalled; giving up");
+                return Err(Error::Stalled {
+                    repo: repo.to_owned(),
+                    file: file.to_owned(),
+                    after: timeout,
+                });
+            }
+        }
+    }
 }

@@ -37,8 +37,19 @@ pub enum Error {
         b: Vec<i32>,
         base: Vec<i32>,
     },
+    /// Fusing produced NaN or infinite weights (a NaN or huge adapter value,
+    /// or a delta too large for the weight's dtype); nothing is written.
+    #[error("fusing {module:?} gives non-finite values in {weight:?}: the adapter holds NaN or infinite values, or values too large for the base weight's dtype")]
+    NotFinite { module: String, weight: String },
+    /// A hub download received nothing for the stall timeout.
+    #[error("downloading {file:?} of {repo:?} stalled: nothing received for {after:?}")]
+    Stalled {
+        repo: String,
+        file: String,
+        after: std::time::Duration,
+    },
     /// The base model is not in the local cache and the hub may not be asked.
-    #[error("base model {repo:?} is not in the hub cache at {cache} and HF_HUB_OFFLINE is set")]
+    #[error("base model {repo:?} is not in the hub cache at {cache} and the hub may not be asked (offline)")]
     Offline { repo: String, cache: PathBuf },
     /// Downloading from the hub failed.
     #[error("downloading {repo:?}: {message}")]

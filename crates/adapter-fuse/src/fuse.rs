@@ -115,6 +115,7 @@ fn fuse_module(
     base: &SafetensorsSet,
     quant: Option<Quantization>,
 ) -> Result<Fused> {
+    let _span = tracing::debug_span!("fuse_module", module).entered();
     let (a_key, b_key) = &adapter.pairs[module];
     let a_view = adapter.file.tensor(a_key).expect("indexed");
     let b_view = adapter.file.tensor(b_key).expect("indexed");
@@ -170,6 +171,16 @@ fn fuse_module(
     let scale = Array::from_f32(adapter.scale).as_dtype(b.dtype())?;
     let delta = b.t().multiply(&scale)?.matmul(a.t())?.as_dtype(dtype)?;
     let fused = dense.add(&delta)?;
+    // A NaN in the adapter, or a product that overflows the weight's dtype,
+    // would be written silently and make every answer of the model empty.
+    let finite = fused.is_finite()?.all(None)?;
+    finite.eval()?;
+    if !finite.item_exact::<bool>() {
+        return Err(Error::NotFinite {
+            module: module.to_owned(),
+            weight: weight_key,
+        });
+    }
     let mut out = Fused::new();
     match quantized {
         Some((q, _, biases)) => {
@@ -332,11 +343,11 @@ fn read_exact_at(file: &fs::File, mut buf: &mut [u8], mut offset: u64) -> std::i
     Ok(())
 }
 
-/// Fuses the adapter in `adapter_dir` into the model in `base_dir`, writing a
-/// complete model folder to `out`. `progress(done, total)` counts modules.
+/// Fuses `adapter` into the model in `base_dir`, writing a complete model
+/// folder to `out`. `progress(done, total)` counts modules.
 pub(crate) fn fuse_model(
     base_dir: &Path,
-    adapter_dir: &Path,
+    adapter: &LoraAdapter,
     out: &Path,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<()> {
@@ -349,7 +360,6 @@ pub(crate) fn fuse_model(
         })?;
     let quant = QuantizationConfig::from_config(&config, &config_path)?;
     let base = SafetensorsSet::open_dir(base_dir)?;
-    let adapter = LoraAdapter::open(adapter_dir)?;
 
     // Which module each base tensor belongs to, for the tensors fusing touches.
     let mut touched: HashMap<String, String> = HashMap::new();
@@ -381,7 +391,7 @@ pub(crate) fn fuse_model(
             let Some(module) = touched.get(key) else {
                 return Ok(None);
             };
-            let mut fused = fuse_module(module, &adapter, &base, quant.of(module))?;
+            let mut fused = fuse_module(module, adapter, &base, quant.of(module))?;
             done += 1;
             progress(done, total);
             let mine = fused.remove(key);

@@ -11,7 +11,6 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # use safetensors::{serialize_to_file, tensor::TensorView, Dtype};
 //! # let tmp = tempfile::tempdir()?;
-//! # std::env::set_var("HF_HUB_CACHE", tmp.path().join("hub"));
 //! # let (model, adapter) = (tmp.path().join("model"), tmp.path().join("adapter"));
 //! # std::fs::create_dir_all(&model)?;
 //! # std::fs::create_dir_all(&adapter)?;
@@ -28,11 +27,15 @@
 //! // or a local model folder.
 //! let codec = AdapterCodec::new(adapter.join("adapters.safetensors.zst"), adapter.join("adapter_config.json"));
 //! # codec.encode(adapter.join("adapters.safetensors"))?;
-//! let fused = adapter_fuse::ensure_fused(model_repo, &codec, "acme--fused")?;
+//! // The hub cache from the environment, as Python's huggingface_hub finds
+//! // it; `adapter_fuse::ensure_fused` does the same in one call.
+//! let options = adapter_fuse::FuseOptions::from_env();
+//! # let options = options.with_cache_root(tmp.path().join("hub"));
+//! let fused = options.ensure_fused(model_repo, &codec, "acme--fused")?;
 //! assert!(fused.join("model.safetensors").is_file());
 //! // The entry is keyed by the adapter's digest; the next call is a hit.
 //! assert!(fused.ends_with(format!("snapshots/{}", codec.digest()?)));
-//! assert_eq!(adapter_fuse::ensure_fused(model_repo, &codec, "acme--fused")?, fused);
+//! assert_eq!(options.ensure_fused(model_repo, &codec, "acme--fused")?, fused);
 //! # Ok(())
 //! # }
 //! ```
@@ -59,6 +62,7 @@ mod base;
 mod cache;
 mod error;
 mod fuse;
+mod options;
 
 use std::path::PathBuf;
 
@@ -66,6 +70,7 @@ use adapter_codec::AdapterCodec;
 
 pub use cache::hub_cache_root;
 pub use error::{Error, Result};
+pub use options::{FuseOptions, DEFAULT_STALL_TIMEOUT};
 
 /// What [`ensure_fused_with_progress`] is doing.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,13 +151,15 @@ impl ProgressBars {
 }
 
 /// Returns the fused model's snapshot folder, fusing on a miss. See the
-/// crate docs for the cache layout and its guarantees.
+/// crate docs for the cache layout and its guarantees. The cache, hub and
+/// offline switch come from the environment ([`FuseOptions::from_env`]);
+/// [`FuseOptions::ensure_fused`] takes them explicitly.
 pub fn ensure_fused(
     model_repo: &str,
     codec: &AdapterCodec,
     cache_namespace: &str,
 ) -> Result<PathBuf> {
-    ensure_fused_with_progress(model_repo, codec, cache_namespace, |_| {})
+    FuseOptions::from_env().ensure_fused(model_repo, codec, cache_namespace)
 }
 
 /// [`ensure_fused`], reporting progress to `reporter` (a closure, or
@@ -161,45 +168,80 @@ pub fn ensure_fused_with_progress(
     model_repo: &str,
     codec: &AdapterCodec,
     cache_namespace: &str,
-    mut reporter: impl FuseReporter,
+    reporter: impl FuseReporter,
 ) -> Result<PathBuf> {
-    let mut progress = |event| reporter.report(event);
-    let root = hub_cache_root();
-    let entry = cache::Entry::new(&root, cache_namespace, &codec.digest()?)?;
-    if entry.is_complete() {
-        progress(FuseProgress::Hit);
-        return Ok(entry.snapshot());
+    FuseOptions::from_env().ensure_fused_with_progress(model_repo, codec, cache_namespace, reporter)
+}
+
+impl FuseOptions {
+    /// [`ensure_fused`](crate::ensure_fused) with these options.
+    pub fn ensure_fused(
+        &self,
+        model_repo: &str,
+        codec: &AdapterCodec,
+        cache_namespace: &str,
+    ) -> Result<PathBuf> {
+        self.ensure_fused_with_progress(model_repo, codec, cache_namespace, |_| {})
     }
-    let _lock = lock_entry(&root, &entry, &mut progress)?;
-    if entry.is_complete() {
-        // Another process fused it while we waited.
-        progress(FuseProgress::Hit);
-        return Ok(entry.snapshot());
+
+    /// [`ensure_fused_with_progress`](crate::ensure_fused_with_progress)
+    /// with these options.
+    pub fn ensure_fused_with_progress(
+        &self,
+        model_repo: &str,
+        codec: &AdapterCodec,
+        cache_namespace: &str,
+        mut reporter: impl FuseReporter,
+    ) -> Result<PathBuf> {
+        let _span = tracing::info_span!("ensure_fused", model_repo, cache_namespace).entered();
+        let mut progress = |event| reporter.report(event);
+        let root = self.cache_root();
+        let entry = cache::Entry::new(root, cache_namespace, &codec.digest()?)?;
+        if entry.is_complete() {
+            tracing::info!(entry = %entry.snapshot().display(), "fused model cache hit");
+            progress(FuseProgress::Hit);
+            return Ok(entry.snapshot());
+        }
+        let _lock = lock_entry(root, &entry, &mut progress)?;
+        if entry.is_complete() {
+            // Another process fused it while we waited.
+            tracing::info!(entry = %entry.snapshot().display(), "fused by another process while waiting");
+            progress(FuseProgress::Hit);
+            return Ok(entry.snapshot());
+        }
+        let base = base::resolve(model_repo, self, &mut |file| {
+            progress(FuseProgress::Downloading(file.to_owned()))
+        })?;
+        // Holding the lock, any `.fuse-{digest}-*` folder is a killed
+        // predecessor's work: nobody else builds this digest now.
+        let prefix = format!(".fuse-{}-", entry.digest);
+        remove_leftovers(root, &prefix);
+        let work = tempfile::Builder::new()
+            .prefix(&prefix)
+            .tempdir_in(root)
+            .map_err(error::io(root))?;
+        let adapter_dir = work.path().join("adapter");
+        std::fs::create_dir_all(&adapter_dir).map_err(error::io(&adapter_dir))?;
+        codec.decode(adapter_dir.join("adapters.safetensors"))?;
+        let config = adapter_dir.join("adapter_config.json");
+        std::fs::write(&config, codec.config_bytes()?).map_err(error::io(&config))?;
+        let built = work.path().join("snapshot");
+        let adapter = adapter::LoraAdapter::open(
+            &adapter_dir,
+            &adapter::Names {
+                config: codec.config_path().to_path_buf(),
+                weights: codec.zst_path().to_path_buf(),
+            },
+        )?;
+        fuse::fuse_model(&base, &adapter, &built, &mut |done, total| {
+            progress(FuseProgress::Fusing { done, total })
+        })?;
+        cache::sync_dir(&built);
+        entry.publish(&built)?;
+        tracing::info!(entry = %entry.snapshot().display(), "fused model published");
+        progress(FuseProgress::Published);
+        Ok(entry.snapshot())
     }
-    let base = base::resolve(model_repo, &root, &mut |file| {
-        progress(FuseProgress::Downloading(file.to_owned()))
-    })?;
-    // Holding the lock, any `.fuse-{digest}-*` folder is a killed
-    // predecessor's work: nobody else builds this digest now.
-    let prefix = format!(".fuse-{}-", entry.digest);
-    remove_leftovers(&root, &prefix);
-    let work = tempfile::Builder::new()
-        .prefix(&prefix)
-        .tempdir_in(&root)
-        .map_err(error::io(&root))?;
-    let adapter_dir = work.path().join("adapter");
-    std::fs::create_dir_all(&adapter_dir).map_err(error::io(&adapter_dir))?;
-    codec.decode(adapter_dir.join("adapters.safetensors"))?;
-    let config = adapter_dir.join("adapter_config.json");
-    std::fs::write(&config, codec.config_bytes()?).map_err(error::io(&config))?;
-    let built = work.path().join("snapshot");
-    fuse::fuse_model(&base, &adapter_dir, &built, &mut |done, total| {
-        progress(FuseProgress::Fusing { done, total })
-    })?;
-    cache::sync_dir(&built);
-    entry.publish(&built)?;
-    progress(FuseProgress::Published);
-    Ok(entry.snapshot())
 }
 
 fn remove_leftovers(root: &std::path::Path, prefix: &str) {

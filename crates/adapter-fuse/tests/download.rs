@@ -1,5 +1,7 @@
 //! Downloading a base model through hf-hub from a hub lookalike on loopback
-//! (`HF_ENDPOINT`), then reusing it from the cache with `HF_HUB_OFFLINE=1`.
+//! (the options' endpoint), then reusing it from the cache offline; hubs
+//! that stall. Each test passes its cache and endpoint in `FuseOptions`:
+//! nothing here touches the process environment.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -8,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use adapter_codec::AdapterCodec;
+use adapter_fuse::{Error, FuseOptions};
 
 const REPO: &str = "org/remote-base";
 const SHA: &str = "feedfacefeedfacefeedfacefeedfacefeedface";
@@ -20,14 +23,23 @@ fn serve(files: HashMap<String, Vec<u8>>) -> (String, Arc<AtomicUsize>) {
     serve_cutting(files, None)
 }
 
-/// [`serve`], except that the first download of `cut.0` that is more than a
-/// probe announces the whole length but sends only `cut.1` bytes of it,
-/// then closes the connection: a download interrupted half-way.
+/// How the first download of a file (more than a probe) goes wrong.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// Announce the whole length, send this many bytes, close.
+    Cut(&'static str, usize),
+    /// Announce the whole length, send this many bytes, then hold the
+    /// connection open, silent, for three seconds before closing it.
+    Stall(&'static str, usize),
+}
+
+/// [`serve`], with `fault` on the first download of its file that is more
+/// than a probe.
 fn serve_cutting(
     files: HashMap<String, Vec<u8>>,
-    cut: Option<(&'static str, usize)>,
+    fault: Option<Fault>,
 ) -> (String, Arc<AtomicUsize>) {
-    let mut cut = cut;
+    let mut fault = fault;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
     let hits = Arc::new(AtomicUsize::new(0));
@@ -88,15 +100,30 @@ fn serve_cutting(
             }
             response.push_str("\r\n");
             let file = path.strip_prefix(&file_prefix).unwrap_or_default();
-            let body = match cut {
-                Some((name, keep)) if name == file && body.len() > 1 => {
-                    cut = None;
-                    body[..keep].to_vec()
+            let (body, stall) = match fault {
+                Some(Fault::Cut(name, keep)) if name == file && body.len() > 1 => {
+                    fault = None;
+                    (body[..keep].to_vec(), false)
                 }
-                _ => body,
+                Some(Fault::Stall(name, keep)) if name == file && body.len() > 1 => {
+                    fault = None;
+                    (body[..keep].to_vec(), true)
+                }
+                _ => (body, false),
             };
             let _ = stream.write_all(response.as_bytes());
             let _ = stream.write_all(&body);
+            if stall {
+                // Silent but open, on a thread of its own so that the hub
+                // goes on serving others: only the client's own clock ends
+                // this. The close afterwards frees hf-hub's blocked reader.
+                let _ = stream.flush();
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_secs(3));
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
+                });
+                continue;
+            }
             // Closing (not just dropping one handle) is what tells the
             // client that no more bytes are coming.
             let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -106,16 +133,17 @@ fn serve_cutting(
     (endpoint, hits)
 }
 
-/// A temp dir with an empty hub cache in `hub/`, and this process pointed
-/// at it and at `endpoint` (each test runs in its own process).
-fn hub_at(endpoint: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+/// A temp dir with an empty hub cache in `hub/`, and options that use it
+/// and `endpoint`, online.
+fn hub_at(endpoint: &str) -> (tempfile::TempDir, std::path::PathBuf, FuseOptions) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("hub");
     std::fs::create_dir_all(&root).unwrap();
-    std::env::set_var("HF_HUB_CACHE", &root);
-    std::env::set_var("HF_ENDPOINT", endpoint);
-    std::env::remove_var("HF_HUB_OFFLINE");
-    (dir, root)
+    let options = FuseOptions::from_env()
+        .with_cache_root(&root)
+        .with_endpoint(endpoint)
+        .with_offline(false);
+    (dir, root, options)
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -170,9 +198,10 @@ fn base_is_downloaded_once_then_used_offline() {
     .into_iter()
     .collect();
     let (endpoint, hits) = serve(files);
-    let (dir, root) = hub_at(&endpoint);
+    let (dir, root, options) = hub_at(&endpoint);
 
-    let fused = adapter_fuse::ensure_fused(REPO, &codec(&dir.path().join("a1"), 1.0), "org--fused")
+    let fused = options
+        .ensure_fused(REPO, &codec(&dir.path().join("a1"), 1.0), "org--fused")
         .unwrap();
     assert!(hits.load(Ordering::SeqCst) > 0, "nothing was downloaded");
     let base = root.join("models--org--remote-base");
@@ -199,9 +228,11 @@ fn base_is_downloaded_once_then_used_offline() {
         .all(|c| f32::from_le_bytes(c.try_into().unwrap()) == 1.25));
 
     // A second adapter: the base comes from the cache, with the hub forbidden.
-    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let offline = options.with_offline(true);
     let before = hits.load(Ordering::SeqCst);
-    adapter_fuse::ensure_fused(REPO, &codec(&dir.path().join("a2"), 3.0), "org--fused").unwrap();
+    offline
+        .ensure_fused(REPO, &codec(&dir.path().join("a2"), 3.0), "org--fused")
+        .unwrap();
     assert_eq!(
         hits.load(Ordering::SeqCst),
         before,
@@ -212,15 +243,16 @@ fn base_is_downloaded_once_then_used_offline() {
 #[test]
 fn unknown_repo_is_a_download_error() {
     let (endpoint, _) = serve(HashMap::new());
-    let (dir, _root) = hub_at(&endpoint);
-    let err = adapter_fuse::ensure_fused(
-        "org/missing",
-        &codec(&dir.path().join("a"), 1.0),
-        "org--fused",
-    )
-    .unwrap_err();
+    let (dir, _root, options) = hub_at(&endpoint);
+    let err = options
+        .ensure_fused(
+            "org/missing",
+            &codec(&dir.path().join("a"), 1.0),
+            "org--fused",
+        )
+        .unwrap_err();
     assert!(
-        matches!(&err, adapter_fuse::Error::Download { repo, .. } if repo == "org/missing"),
+        matches!(&err, Error::Download { repo, .. } if repo == "org/missing"),
         "{err}"
     );
 }
@@ -242,13 +274,15 @@ fn interrupted_download_is_an_error_then_resumes() {
     ]
     .into_iter()
     .collect();
-    let (endpoint, _) = serve_cutting(files, Some(("model.safetensors", half)));
-    let (dir, root) = hub_at(&endpoint);
+    let (endpoint, _) = serve_cutting(files, Some(Fault::Cut("model.safetensors", half)));
+    let (dir, root, options) = hub_at(&endpoint);
     let codec = codec(&dir.path().join("a"), 1.0);
 
-    let err = adapter_fuse::ensure_fused(REPO, &codec, "org--fused").unwrap_err();
+    let err = options
+        .ensure_fused(REPO, &codec, "org--fused")
+        .unwrap_err();
     assert!(
-        matches!(&err, adapter_fuse::Error::Download { repo, .. } if repo == REPO),
+        matches!(&err, Error::Download { repo, .. } if repo == REPO),
         "{err}"
     );
     // Nothing that looks like a result: no fused entry, no base snapshot
@@ -268,7 +302,7 @@ fn interrupted_download_is_an_error_then_resumes() {
 
     // The hub answers in full now: the next call completes the download
     // (hf-hub resumes from its partial file) and fuses the whole weights.
-    let fused = adapter_fuse::ensure_fused(REPO, &codec, "org--fused").unwrap();
+    let fused = options.ensure_fused(REPO, &codec, "org--fused").unwrap();
     assert_eq!(
         std::fs::read(snapshot.join("model.safetensors")).unwrap(),
         weights
@@ -281,4 +315,89 @@ fn interrupted_download_is_an_error_then_resumes() {
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
     assert_eq!(got, values);
+}
+
+/// A listener that accepts connections and never answers: a hub that is
+/// up but stuck.
+fn silent_hub() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().take(20) {
+            held.push(stream);
+        }
+    });
+    endpoint
+}
+
+/// `options.ensure_fused` must fail with `Stalled` naming `file`, well
+/// within a bound of its stall timeout.
+fn assert_stalls(options: &FuseOptions, codec: &AdapterCodec, file: &str) {
+    let start = std::time::Instant::now();
+    let err = options.ensure_fused(REPO, codec, "org--fused").unwrap_err();
+    let took = start.elapsed();
+    assert!(
+        matches!(&err, Error::Stalled { repo, file: f, .. } if repo == REPO && f == file),
+        "{err}"
+    );
+    assert!(err.to_string().contains(file), "{err}");
+    assert!(took < std::time::Duration::from_secs(20), "took {took:?}");
+}
+
+#[test]
+fn a_hub_that_accepts_and_says_nothing_is_a_stall_error() {
+    let endpoint = silent_hub();
+    let (dir, root, options) = hub_at(&endpoint);
+    let options = options.with_stall_timeout(std::time::Duration::from_millis(500));
+    let codec = codec(&dir.path().join("a"), 1.0);
+    assert_stalls(&options, &codec, "repo info");
+    let names: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.to_string_lossy().starts_with("models--org--fused")),
+        "{names:?}"
+    );
+}
+
+#[test]
+fn a_download_that_stops_mid_body_is_a_stall_error_then_resumes() {
+    let weights = tensors(&[
+        (&format!("{MODULE}.weight"), vec![3, 4], vec![1.0; 12]),
+        ("model.embed.weight", vec![4096], vec![0.5; 4096]),
+    ]);
+    let files: HashMap<String, Vec<u8>> = [
+        (
+            "config.json".to_owned(),
+            br#"{"model_type": "llama"}"#.to_vec(),
+        ),
+        ("model.safetensors".to_owned(), weights.clone()),
+    ]
+    .into_iter()
+    .collect();
+    let (endpoint, _) = serve_cutting(files, Some(Fault::Stall("model.safetensors", 1000)));
+    let (dir, root, options) = hub_at(&endpoint);
+    let options = options.with_stall_timeout(std::time::Duration::from_millis(800));
+    let codec = codec(&dir.path().join("a"), 1.0);
+    assert_stalls(&options, &codec, "model.safetensors");
+
+    // The next call finds the hub healthy and the same cache: hf-hub waits
+    // (up to 5 s, so this call allows more than a second of silence) for
+    // the abandoned reader to let go of the file when the hub closes that
+    // connection, resumes the download and the fuse completes.
+    let fused = options
+        .with_stall_timeout(std::time::Duration::from_secs(10))
+        .ensure_fused(REPO, &codec, "org--fused")
+        .unwrap();
+    let snapshot = root.join("models--org--remote-base/snapshots").join(SHA);
+    assert_eq!(
+        std::fs::read(snapshot.join("model.safetensors")).unwrap(),
+        weights
+    );
+    assert!(fused.join("model.safetensors").is_file());
 }

@@ -127,14 +127,15 @@ fn mlx_lm_loads_our_fused_model_and_it_equals_mlx_lm_fuse() {
     );
     write_model(&base, &adapter);
     std::fs::create_dir_all(&hub).unwrap();
-    std::env::set_var("HF_HUB_CACHE", &hub);
     let codec = AdapterCodec::new(
         adapter.join("adapters.safetensors.zst"),
         adapter.join("adapter_config.json"),
     );
     codec.encode(adapter.join("adapters.safetensors")).unwrap();
-    let ours =
-        adapter_fuse::ensure_fused(base.to_str().unwrap(), &codec, "interop--fused").unwrap();
+    let ours = adapter_fuse::FuseOptions::from_env()
+        .with_cache_root(&hub)
+        .ensure_fused(base.to_str().unwrap(), &codec, "interop--fused")
+        .unwrap();
 
     let fuse = Command::new(&python)
         .args(["-m", "mlx_lm", "fuse", "--model"])

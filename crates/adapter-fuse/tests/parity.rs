@@ -92,9 +92,10 @@ fn parity(case: &str, dtype: Dtype, adapter_dtype: Dtype, quant: Option<(i32, i3
     );
     codec.encode(&adapter_file).unwrap();
 
-    std::env::set_var("HF_HUB_CACHE", &root);
-    let ours =
-        adapter_fuse::ensure_fused(base_dir.to_str().unwrap(), &codec, "parity--fused").unwrap();
+    let ours = adapter_fuse::FuseOptions::from_env()
+        .with_cache_root(&root)
+        .ensure_fused(base_dir.to_str().unwrap(), &codec, "parity--fused")
+        .unwrap();
     let reference = dir.path().join("reference.safetensors");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_fuse.py");
     let (group, bits) = quant.unwrap_or((0, 0));

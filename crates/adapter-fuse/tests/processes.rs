@@ -9,54 +9,33 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use adapter_codec::AdapterCodec;
-use adapter_fuse::{ensure_fused, ensure_fused_with_progress, FuseProgress};
 use common::*;
 
-/// Not a test on its own: the body of the child processes below.
-#[test]
-fn child_fuse_entrypoint() {
-    let Ok(root) = std::env::var("FUSE_CHILD_ROOT") else {
-        return;
-    };
-    std::env::set_var("HF_HUB_CACHE", &root);
-    let adapter_dir = PathBuf::from(std::env::var("FUSE_CHILD_ADAPTER").unwrap());
-    let codec = AdapterCodec::new(
-        adapter_dir.join("adapters.safetensors.zst"),
-        adapter_dir.join("adapter_config.json"),
+/// The `fuse_child` example (built by `cargo test` beside this test), in
+/// the same profile folder as this test binary.
+fn child_program() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/{profile}/deps/processes-HASH -> target/{profile}/examples/
+    let profile = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let path = profile
+        .join("examples")
+        .join(format!("fuse_child{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        path.is_file(),
+        "{} is missing: `cargo test` builds it (cargo build --examples -p adapter-fuse)",
+        path.display()
     );
-    // FUSE_CHILD_HOLD_AT=N: announce each event, and hold still after the
-    // N-th so that the parent can kill this process at exactly that point.
-    let hold_at: Option<usize> = std::env::var("FUSE_CHILD_HOLD_AT")
-        .ok()
-        .map(|n| n.parse().unwrap());
-    let mut events = Vec::new();
-    let path = ensure_fused_with_progress(REPO, &codec, NS, |e: FuseProgress| {
-        if hold_at.is_some() {
-            println!("EVENT {e:?}");
-            std::io::Write::flush(&mut std::io::stdout()).unwrap();
-        }
-        events.push(e);
-        if hold_at == Some(events.len()) {
-            std::thread::sleep(std::time::Duration::from_secs(60));
-        }
-    })
-    .unwrap();
-    println!("PATH {}", path.display());
-    println!("PUBLISHED {}", events.contains(&FuseProgress::Published));
+    path
 }
 
-/// This test binary, run as `child_fuse_entrypoint` on `s`'s cache.
+/// A child process fusing `s`'s adapter into `s`'s cache.
 fn child_fuse(s: &Setup) -> Command {
-    let mut child = Command::new(std::env::current_exe().unwrap());
+    let mut child = Command::new(child_program());
     child
-        .args([
-            "--exact",
-            "child_fuse_entrypoint",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("FUSE_CHILD_ROOT", &s.root)
-        .env("FUSE_CHILD_ADAPTER", &s.adapter_dir);
+        .arg("fuse")
+        .arg(&s.root)
+        .arg(&s.adapter_dir)
+        .args([REPO, NS]);
     child
 }
 
@@ -105,19 +84,6 @@ fn concurrent_processes_fuse_once_and_share_the_result() {
     );
 }
 
-/// Not a test on its own: a child that takes a lock and waits to be killed.
-#[test]
-fn child_lock_holder() {
-    let Ok(path) = std::env::var("LOCK_HOLDER_PATH") else {
-        return;
-    };
-    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
-    file.lock().unwrap();
-    println!("LOCKED");
-    std::io::Write::flush(&mut std::io::stdout()).unwrap();
-    std::thread::sleep(std::time::Duration::from_secs(60));
-}
-
 #[test]
 fn a_lock_left_by_a_killed_process_does_not_block() {
     use std::io::BufRead;
@@ -131,14 +97,9 @@ fn a_lock_left_by_a_killed_process_does_not_block() {
         .join(format!("models--{NS}-{digest}.lock"));
     std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
     std::fs::write(&lock, b"").unwrap();
-    let mut holder = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_lock_holder",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("LOCK_HOLDER_PATH", &lock)
+    let mut holder = Command::new(child_program())
+        .arg("hold-lock")
+        .arg(&lock)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -151,7 +112,7 @@ fn a_lock_left_by_a_killed_process_does_not_block() {
     // The holder dies without releasing anything itself.
     holder.kill().unwrap();
     holder.wait().unwrap();
-    let path = ensure_fused(REPO, &codec, NS).unwrap();
+    let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
     assert!(path.join("model.safetensors").is_file());
 }
 
@@ -213,7 +174,8 @@ fn a_process_killed_at_any_step_leaves_no_entry_and_the_next_call_fuses() {
         let s = setup();
         let codec = four_module_base_and_adapter(&s);
         std::fs::read(
-            ensure_fused(REPO, &codec, NS)
+            s.options
+                .ensure_fused(REPO, &codec, NS)
                 .unwrap()
                 .join("model.safetensors"),
         )
@@ -225,7 +187,7 @@ fn a_process_killed_at_any_step_leaves_no_entry_and_the_next_call_fuses() {
         let s = setup();
         let codec = four_module_base_and_adapter(&s);
         let mut child = child_fuse(&s)
-            .env("FUSE_CHILD_HOLD_AT", kill_after.max(1).to_string())
+            .arg(kill_after.max(1).to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -235,8 +197,7 @@ fn a_process_killed_at_any_step_leaves_no_entry_and_the_next_call_fuses() {
             let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
             for line in lines {
                 let line = line.unwrap();
-                // libtest may print "test NAME ... " on the same line first.
-                if let Some((_, event)) = line.split_once("EVENT ") {
+                if let Some(event) = line.strip_prefix("EVENT ") {
                     seen.push(event.to_owned());
                     if seen.len() == kill_after {
                         break;
@@ -257,7 +218,7 @@ fn a_process_killed_at_any_step_leaves_no_entry_and_the_next_call_fuses() {
             !entry.join("refs/main").exists(),
             "killed after {kill_after} events, yet an entry is complete"
         );
-        let path = ensure_fused(REPO, &codec, NS).unwrap();
+        let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
         let fused = std::fs::read(path.join("model.safetensors")).unwrap();
         assert!(
             fused == clean,

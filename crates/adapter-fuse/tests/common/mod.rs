@@ -125,6 +125,8 @@ pub struct Setup {
     pub _dir: tempfile::TempDir,
     pub root: PathBuf,
     pub adapter_dir: PathBuf,
+    /// The fuse's options: the cache at `root`, never the network.
+    pub options: adapter_fuse::FuseOptions,
 }
 
 pub fn setup() -> Setup {
@@ -133,14 +135,14 @@ pub fn setup() -> Setup {
     let adapter_dir = dir.path().join("adapter");
     std::fs::create_dir_all(&root).unwrap();
     std::fs::create_dir_all(&adapter_dir).unwrap();
-    // SAFETY of the process environment: each test runs in its own process
-    // under nextest (and one at a time under the fallback runner).
-    std::env::set_var("HF_HUB_CACHE", &root);
-    std::env::remove_var("HF_HUB_OFFLINE");
+    let options = adapter_fuse::FuseOptions::from_env()
+        .with_cache_root(&root)
+        .with_offline(true);
     Setup {
         _dir: dir,
         root,
         adapter_dir,
+        options,
     }
 }
 
