@@ -162,29 +162,28 @@ pub fn classify(
     max_tokens: usize,
 ) -> Result<Classification> {
     let system = Message::new("system", SYSTEM);
-    let engine = MlxEngine::new(EngineConfig {
-        model_dir: model_dir.to_path_buf(),
-        logits_processor_factory: Some(Box::new(|tokenizer: &Tokenizer| {
-            let allowed: Vec<i32> = LABELS
-                .iter()
-                .filter_map(|w| tokenizer.encode(w).ok()?.first().copied())
-                .map(|t| t as i32)
-                .collect();
-            Box::new(move |logits: &Array| {
-                let vocab = logits.dim(-1);
-                let ids = mlx_rs::ops::arange::<_, i32>(None, vocab, None)?;
-                let mut keep = ids.eq(Array::from_int(allowed[0]))?;
-                for &t in &allowed[1..] {
-                    keep = keep.logical_or(ids.eq(Array::from_int(t))?)?;
-                }
-                mlx_rs::ops::select(&keep, logits, Array::from_f32(f32::NEG_INFINITY))
+    let engine = MlxEngine::new(
+        EngineConfig::new(model_dir)
+            .prefix_messages(vec![system.clone()])
+            .batch_size(batch_size)
+            .logits_processor(|tokenizer: &Tokenizer| {
+                let allowed: Vec<i32> = LABELS
+                    .iter()
+                    .filter_map(|w| tokenizer.encode(w).ok()?.first().copied())
+                    .map(|t| t as i32)
+                    .collect();
+                Box::new(move |logits: &Array| {
+                    let vocab = logits.dim(-1);
+                    let ids = mlx_rs::ops::arange::<_, i32>(None, vocab, None)?;
+                    let mut keep = ids.eq(Array::from_int(allowed[0]))?;
+                    for &t in &allowed[1..] {
+                        keep = keep.logical_or(ids.eq(Array::from_int(t))?)?;
+                    }
+                    mlx_rs::ops::select(&keep, logits, Array::from_f32(f32::NEG_INFINITY))
+                })
             })
-        })),
-        prefix_messages: vec![system.clone()],
-        batch_size,
-        worker_name: "mlx-demo".into(),
-        quantized: None,
-    })?;
+            .worker_name("mlx-demo"),
+    )?;
     engine.ensure_loaded()?;
     let conversations: Vec<Vec<Message>> = examples
         .iter()

@@ -57,14 +57,12 @@ fn child(dir: &Path, n: usize, batch: usize, max_tokens: usize) {
     // no faster with this setting (docs/mlx-engine.md).
     block_stream::retain_freed_memory();
     let convs = conversations(n);
-    let engine = MlxEngine::new(EngineConfig {
-        model_dir: dir.to_path_buf(),
-        logits_processor_factory: None,
-        prefix_messages: convs[0][..1].to_vec(),
-        batch_size: batch,
-        worker_name: "bench".into(),
-        quantized: None,
-    })
+    let engine = MlxEngine::new(
+        EngineConfig::new(dir)
+            .prefix_messages(convs[0][..1].to_vec())
+            .batch_size(batch)
+            .worker_name("bench"),
+    )
     .unwrap();
     engine.ensure_loaded().unwrap();
     let (_, s) = engine

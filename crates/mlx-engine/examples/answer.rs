@@ -26,14 +26,12 @@ fn main() -> Result<()> {
         "system",
         "You are a helpful assistant. Answer in one short sentence.",
     );
-    let engine = MlxEngine::new(EngineConfig {
-        model_dir: model_dir.clone(),
-        logits_processor_factory: None,
-        prefix_messages: vec![system.clone()],
-        batch_size: 3,
-        worker_name: "mlx-example".into(),
-        quantized: None,
-    })?;
+    let engine = MlxEngine::new(
+        EngineConfig::new(model_dir.clone())
+            .prefix_messages(vec![system.clone()])
+            .batch_size(3)
+            .worker_name("mlx-example"),
+    )?;
     engine
         .ensure_loaded()
         .with_context(|| format!("loading {}", model_dir.display()))?;

@@ -32,6 +32,9 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Affine quantization of the linear layers, when present.
     pub quantization: Option<Quantization>,
+    /// The context length the model was trained for, when the config says.
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
 }
 
 fn default_rope_theta() -> f32 {
@@ -63,17 +66,49 @@ impl ModelConfig {
                 supported: SUPPORTED,
             });
         }
-        let heads_fit = config.head_dim.is_some()
-            || config
-                .hidden_size
-                .is_multiple_of(config.num_attention_heads.max(1));
-        if config.num_attention_heads == 0 || !heads_fit {
-            return Err(Error::Config {
-                path,
-                message: "num_attention_heads must divide hidden_size (or give head_dim)".into(),
-            });
-        }
+        config
+            .check()
+            .map_err(|message| Error::Config { path, message })?;
         Ok(config)
+    }
+
+    /// Sizes that cannot work, before anything is allocated from them.
+    /// (Whether they fit the weights is checked as each weight loads.)
+    fn check(&self) -> std::result::Result<(), String> {
+        let positive = [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.kv_heads()),
+            ("vocab_size", self.vocab_size),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{name} must be at least 1"));
+        }
+        // Dimensions become MLX's i32 shapes.
+        let limit = i32::MAX as usize;
+        if let Some((name, v)) = positive.iter().find(|(_, v)| *v > limit) {
+            return Err(format!("{name} = {v} is larger than any tensor can be"));
+        }
+        if self.head_dim == Some(0) {
+            return Err("head_dim must be at least 1".into());
+        }
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return Err("num_attention_heads must divide hidden_size (or give head_dim)".into());
+        }
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
+            return Err(format!(
+                "num_key_value_heads {} must divide num_attention_heads {}",
+                self.kv_heads(),
+                self.num_attention_heads
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rope_theta.is_finite() && self.rope_theta > 0.0)
+        {
+            return Err("rms_norm_eps and rope_theta must be finite (rope_theta positive)".into());
+        }
+        Ok(())
     }
 
     /// Key/value heads.

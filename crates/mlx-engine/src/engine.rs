@@ -16,7 +16,7 @@ use crossbeam_channel::{unbounded, Sender};
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use crate::generate::{generate_batch, GenState, GenerationStats};
+use crate::generate::{generate_batch, GenSettings, GenState, GenerationStats};
 use crate::model::{Model, QuantizedWeights};
 use crate::tokenizer::{Message, Tokenizer};
 
@@ -36,21 +36,115 @@ impl<F: FnMut(&Array) -> Result<Array, Exception>> LogitsProcessor for F {
 /// Builds the logits processor from the loaded tokenizer, on the worker.
 pub type LogitsProcessorFactory = Box<dyn FnOnce(&Tokenizer) -> Box<dyn LogitsProcessor> + Send>;
 
-/// How to start an engine.
-pub struct EngineConfig {
-    /// An mlx_lm-format model folder (e.g. what `adapter-fuse` returns).
-    pub model_dir: PathBuf,
-    /// Builds the processor applied to every step; `None` leaves logits as they are.
-    pub logits_processor_factory: Option<LogitsProcessorFactory>,
-    /// Messages every conversation starts with; their cache is computed once.
-    pub prefix_messages: Vec<Message>,
-    /// Conversations per batch (at least 1).
-    pub batch_size: usize,
-    /// Name of the worker thread.
-    pub worker_name: String,
-    /// How to hold quantized weights; `None` picks the faster for the device.
-    pub quantized: Option<QuantizedWeights>,
+/// How special-token strings inside message contents are tokenized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SpecialTokens {
+    /// As plain text (the default): a user who writes `<|im_end|>` gets the
+    /// characters, not the control token, so untrusted text cannot end its
+    /// turn or open a system message. The chat template's own special
+    /// tokens stay special.
+    #[default]
+    AsText,
+    /// As control tokens, as Hugging Face's `apply_chat_template` followed
+    /// by `encode` does (and mlx_lm with it): only for trusted content.
+    Honor,
 }
+
+/// How to start an engine: [`EngineConfig::new`] with the model folder,
+/// then the options that differ from the defaults.
+///
+/// ```no_run
+/// use mlx_engine::{EngineConfig, Message};
+///
+/// let config = EngineConfig::new("models/fused")
+///     .prefix_messages(vec![Message::new("system", "Rate the review from 1 to 5.")])
+///     .batch_size(2)
+///     .max_prompt_tokens(4096);
+/// ```
+pub struct EngineConfig {
+    pub(crate) model_dir: PathBuf,
+    pub(crate) logits_processor_factory: Option<LogitsProcessorFactory>,
+    pub(crate) prefix_messages: Vec<Message>,
+    pub(crate) batch_size: usize,
+    pub(crate) worker_name: String,
+    pub(crate) quantized: Option<QuantizedWeights>,
+    pub(crate) max_prompt_tokens: Option<usize>,
+    pub(crate) special_tokens: SpecialTokens,
+}
+
+impl EngineConfig {
+    /// An engine for the mlx_lm-format model folder `model_dir` (e.g. what
+    /// `adapter-fuse` returns), with the defaults: no prefix messages, no
+    /// logits processor, batches of 8, quantized weights held the faster way
+    /// for the device, prompts up to the model's context length, special
+    /// tokens in messages read as text.
+    pub fn new(model_dir: impl Into<PathBuf>) -> EngineConfig {
+        EngineConfig {
+            model_dir: model_dir.into(),
+            logits_processor_factory: None,
+            prefix_messages: Vec::new(),
+            batch_size: 8,
+            worker_name: "mlx-engine".to_owned(),
+            quantized: None,
+            max_prompt_tokens: None,
+            special_tokens: SpecialTokens::AsText,
+        }
+    }
+
+    /// Messages every conversation starts with; their cache is computed once.
+    pub fn prefix_messages(mut self, messages: Vec<Message>) -> EngineConfig {
+        self.prefix_messages = messages;
+        self
+    }
+
+    /// Conversations per batch (at least 1).
+    pub fn batch_size(mut self, batch_size: usize) -> EngineConfig {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// Builds the processor applied to every decoding step from the loaded
+    /// tokenizer, on the worker (e.g. to allow only label tokens).
+    pub fn logits_processor(
+        mut self,
+        factory: impl FnOnce(&Tokenizer) -> Box<dyn LogitsProcessor> + Send + 'static,
+    ) -> EngineConfig {
+        self.logits_processor_factory = Some(Box::new(factory));
+        self
+    }
+
+    /// The worker thread's name (default `mlx-engine`).
+    pub fn worker_name(mut self, name: impl Into<String>) -> EngineConfig {
+        self.worker_name = name.into();
+        self
+    }
+
+    /// How to hold quantized weights (default: the faster for the device).
+    pub fn quantized(mut self, quantized: QuantizedWeights) -> EngineConfig {
+        self.quantized = Some(quantized);
+        self
+    }
+
+    /// The longest prompt (prefix and conversation, in tokens) a
+    /// conversation may have; longer ones are
+    /// [`EngineError::PromptTooLong`]. Default: the model's
+    /// `max_position_embeddings`, else [`DEFAULT_MAX_PROMPT_TOKENS`].
+    pub fn max_prompt_tokens(mut self, tokens: usize) -> EngineConfig {
+        self.max_prompt_tokens = Some(tokens);
+        self
+    }
+
+    /// How special-token strings in message contents are tokenized
+    /// (default [`SpecialTokens::AsText`]).
+    pub fn special_tokens_in_messages(mut self, policy: SpecialTokens) -> EngineConfig {
+        self.special_tokens = policy;
+        self
+    }
+}
+
+/// The prompt limit of a model whose config names no context length.
+pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 8192;
 
 impl std::fmt::Debug for EngineConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -59,6 +153,9 @@ impl std::fmt::Debug for EngineConfig {
             .field("prefix_messages", &self.prefix_messages)
             .field("batch_size", &self.batch_size)
             .field("worker_name", &self.worker_name)
+            .field("quantized", &self.quantized)
+            .field("max_prompt_tokens", &self.max_prompt_tokens)
+            .field("special_tokens", &self.special_tokens)
             .finish_non_exhaustive()
     }
 }
@@ -70,12 +167,29 @@ pub enum EngineError {
     /// The configuration cannot work (e.g. batch size 0).
     #[error("invalid engine configuration: {0}")]
     InvalidConfig(String),
+    /// The worker thread could not be started.
+    #[error("cannot start the worker thread: {0}")]
+    Spawn(String),
     /// Loading the model failed; every call reports it.
     #[error("loading the model failed: {0}")]
     Load(Arc<crate::Error>),
     /// A conversation does not start with the engine's prefix messages.
     #[error("conversation {index} does not start with the engine's prefix messages")]
     PrefixMismatch { index: usize },
+    /// A conversation has nothing after the prefix messages to answer.
+    #[error("conversation {index} is only the engine's prefix messages: nothing to answer")]
+    NothingAfterPrefix { index: usize },
+    /// A conversation's prompt is longer than the engine allows.
+    #[error("conversation {index} is {tokens} tokens long; the limit is {limit} (EngineConfig::max_prompt_tokens)")]
+    PromptTooLong {
+        index: usize,
+        tokens: usize,
+        limit: usize,
+    },
+    /// A blocking call was made from a job running on the worker itself,
+    /// which would wait for itself forever.
+    #[error("called from a job on the engine's own worker thread, which would wait for itself; use the Worker the job receives")]
+    CalledFromWorker,
     /// Generating failed for this request.
     #[error("generation failed: {0}")]
     Generate(Arc<crate::Error>),
@@ -146,6 +260,8 @@ impl<T> std::future::Future for Reply<T> {
 /// Batched generation on a worker thread that owns MLX.
 #[derive(Debug)]
 pub struct MlxEngine {
+    /// The worker's thread: a call from it would wait for itself.
+    worker: std::thread::ThreadId,
     tx: Mutex<Option<Sender<Command>>>,
     loaded: Mutex<Option<Result<(), EngineError>>>,
     load_rx: Mutex<Option<oneshot::Receiver<Result<(), EngineError>>>>,
@@ -176,10 +292,9 @@ impl MlxEngine {
                     }
                 }
             })
-            .map_err(|e| {
-                EngineError::InvalidConfig(format!("cannot start the worker thread: {e}"))
-            })?;
+            .map_err(|e| EngineError::Spawn(e.to_string()))?;
         Ok(MlxEngine {
+            worker: handle.thread().id(),
             tx: Mutex::new(Some(tx)),
             loaded: Mutex::new(None),
             load_rx: Mutex::new(Some(load_rx)),
@@ -195,6 +310,12 @@ impl MlxEngine {
     /// [`ensure_loaded`](Self::ensure_loaded) as a [`Reply`]: resolves when
     /// the load has finished, without blocking the caller.
     pub fn ensure_loaded_async(&self) -> Reply<()> {
+        if self.tx.lock().expect("not poisoned").is_none() {
+            return Reply::ready(Err(EngineError::Closed));
+        }
+        if std::thread::current().id() == self.worker {
+            return Reply::ready(Err(EngineError::CalledFromWorker));
+        }
         if let Some(loaded) = self.load_result(false) {
             return Reply::ready(loaded);
         }
@@ -203,8 +324,8 @@ impl MlxEngine {
         if self.tx.lock().expect("not poisoned").is_some() {
             return reply;
         }
-        // Closed: the worker has finished, and with it the load.
-        Reply::ready(self.load_result(true).unwrap_or(Err(EngineError::Closed)))
+        // Closed meanwhile.
+        Reply::ready(Err(EngineError::Closed))
     }
 
     /// The load's result once the worker has sent it; `block` waits for it.
@@ -235,6 +356,11 @@ impl MlxEngine {
         &self,
         job: impl FnOnce(Result<&mut Worker, &EngineError>) -> Result<T, EngineError> + Send + 'static,
     ) -> Reply<T> {
+        if std::thread::current().id() == self.worker {
+            // The worker runs one job at a time: this one would wait for
+            // itself. A job has the Worker to do the work directly.
+            return Reply::ready(Err(EngineError::CalledFromWorker));
+        }
         let (reply_tx, reply_rx) = oneshot::channel();
         let command = Command::Run(Box::new(move |worker| {
             let result = catch_unwind(AssertUnwindSafe(|| job(worker)))
@@ -315,10 +441,14 @@ impl MlxEngine {
     }
 
     /// Lets queued jobs finish, then stops the worker. Later calls get
-    /// [`EngineError::Closed`].
+    /// [`EngineError::Closed`]. Called from a job on the worker itself, it
+    /// stops the worker after that job without waiting for it.
     pub fn close(&self) {
         if let Some(tx) = self.tx.lock().expect("not poisoned").take() {
             let _ = tx.send(Command::Close);
+        }
+        if std::thread::current().id() == self.worker {
+            return;
         }
         if let Some(handle) = self.handle.lock().expect("not poisoned").take() {
             let _ = handle.join();
@@ -341,6 +471,7 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 }
 
 fn load(config: EngineConfig) -> Result<Worker, EngineError> {
+    let _span = tracing::info_span!("load", model_dir = %config.model_dir.display()).entered();
     let err = |e: crate::Error| EngineError::Load(Arc::new(e));
     let device = block_stream::best_device();
     block_stream::use_device(device).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
@@ -350,14 +481,20 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
     let model = Model::load(&config.model_dir, quantized).map_err(err)?;
     let tokenizer = Tokenizer::load(&config.model_dir).map_err(err)?;
     let processor = config.logits_processor_factory.map(|f| f(&tokenizer));
-    let state = GenState::new(
-        &model,
-        &tokenizer,
-        config.prefix_messages,
+    let max_prompt_tokens = config.max_prompt_tokens.unwrap_or_else(|| {
+        model
+            .config()
+            .max_position_embeddings
+            .unwrap_or(DEFAULT_MAX_PROMPT_TOKENS)
+    });
+    let settings = GenSettings {
+        prefix_messages: config.prefix_messages,
         processor,
-        config.batch_size,
-    )
-    .map_err(err)?;
+        batch_size: config.batch_size,
+        max_prompt_tokens,
+        special_tokens: config.special_tokens,
+    };
+    let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
     Ok(Worker {
         model,
         tokenizer,

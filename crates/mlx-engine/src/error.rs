@@ -38,9 +38,28 @@ pub enum Error {
     /// A tensor could not become an MLX array.
     #[error(transparent)]
     Tensor(#[from] block_stream::Error),
+    /// A GGUF file is corrupt, or holds what the importer cannot convert.
+    #[error("{path}: GGUF: {message}")]
+    Gguf { path: PathBuf, message: String },
     /// Tokenizing or rendering the chat template failed.
     #[error("tokenizer or chat template: {0}")]
     Template(String),
+    /// The shared prefix alone is longer than the prompt limit.
+    #[error("the prefix messages are {tokens} tokens long; the prompt limit is {limit}")]
+    PrefixTooLong { tokens: usize, limit: usize },
+    /// A token id outside the model's embedding table.
+    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    /// The logits processor returned logits of another shape.
+    #[error("the logits processor returned shape {actual:?} for logits of shape {expected:?}")]
+    ProcessorShape {
+        expected: Vec<i32>,
+        actual: Vec<i32>,
+    },
+    /// The model produced NaN logits (NaN or infinite weights, or a
+    /// processor that wrote NaN).
+    #[error("the model produced NaN logits: its weights hold NaN or infinite values, or the logits processor wrote NaN")]
+    NotFiniteLogits,
     /// An MLX operation failed.
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),

@@ -3,13 +3,18 @@
 use std::sync::Arc;
 
 use mlx_rs::ops::concatenate;
-use mlx_rs::ops::indexing::argmax_axis;
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::Array;
 
 use crate::cache::{padded_causal_mask, KvCache};
-use crate::engine::{EngineError, LogitsProcessor, Worker};
+use crate::engine::{EngineError, LogitsProcessor, SpecialTokens, Worker};
 use crate::model::Model;
 use crate::tokenizer::{Message, Tokenizer};
+
+/// Prompts are prefilled at most this many positions at a time, so that the
+/// attention scores of a long prompt (positions × positions per head) never
+/// exist whole: memory grows with the prompt, not with its square.
+const PREFILL_CHUNK: usize = 256;
 
 /// What generation keeps between requests.
 pub(crate) struct GenState {
@@ -19,6 +24,17 @@ pub(crate) struct GenState {
     processor: Option<Box<dyn LogitsProcessor>>,
     batch_size: usize,
     eos: Vec<u32>,
+    max_prompt_tokens: usize,
+    special_tokens: SpecialTokens,
+}
+
+/// The generation settings of an [`EngineConfig`](crate::EngineConfig).
+pub(crate) struct GenSettings {
+    pub prefix_messages: Vec<Message>,
+    pub processor: Option<Box<dyn LogitsProcessor>>,
+    pub batch_size: usize,
+    pub max_prompt_tokens: usize,
+    pub special_tokens: SpecialTokens,
 }
 
 impl GenState {
@@ -26,24 +42,31 @@ impl GenState {
     pub(crate) fn new(
         model: &Model,
         tokenizer: &Tokenizer,
-        prefix_messages: Vec<Message>,
-        processor: Option<Box<dyn LogitsProcessor>>,
-        batch_size: usize,
+        settings: GenSettings,
     ) -> crate::Result<GenState> {
+        let GenSettings {
+            prefix_messages,
+            processor,
+            batch_size,
+            max_prompt_tokens,
+            special_tokens,
+        } = settings;
         let prefix_tokens = if prefix_messages.is_empty() {
             Vec::new()
         } else {
-            tokenizer.chat_tokens(&prefix_messages, false)?
+            tokenizer.chat_tokens(&prefix_messages, false, special_tokens)?
         };
+        if prefix_tokens.len() > max_prompt_tokens {
+            return Err(crate::Error::PrefixTooLong {
+                tokens: prefix_tokens.len(),
+                limit: max_prompt_tokens,
+            });
+        }
         let mut prefix_cache = KvCache::new();
         if !prefix_tokens.is_empty() {
-            let ids: Vec<i32> = prefix_tokens.iter().map(|&t| t as i32).collect();
-            let logits = model.forward_last(
-                &Array::from_slice(&ids, &[1, ids.len() as i32]),
-                &mut prefix_cache,
-                None,
-            )?;
-            logits.eval()?;
+            let _span =
+                tracing::info_span!("prefix_prefill", tokens = prefix_tokens.len()).entered();
+            prefill_into(model, &mut prefix_cache, &[&prefix_tokens])?;
         }
         Ok(GenState {
             prefix_messages,
@@ -52,6 +75,8 @@ impl GenState {
             processor,
             batch_size,
             eos: tokenizer.eos_ids().iter().copied().collect(),
+            max_prompt_tokens,
+            special_tokens,
         })
     }
 }
@@ -113,18 +138,34 @@ pub(crate) fn generate_batch(
     let state = &mut worker.state;
     let p = state.prefix_messages.len();
     let mut suffixes = Vec::with_capacity(conversations.len());
+    let vocab = worker.model.config().vocab_size;
     for (index, conversation) in conversations.iter().enumerate() {
-        if conversation.len() <= p || conversation[..p] != state.prefix_messages[..] {
+        if conversation.len() < p || conversation[..p] != state.prefix_messages[..] {
             return Err(EngineError::PrefixMismatch { index });
+        }
+        if conversation.len() == p {
+            return Err(EngineError::NothingAfterPrefix { index });
         }
         let tokens = worker
             .tokenizer
-            .chat_tokens(conversation, true)
+            .chat_tokens(conversation, true, state.special_tokens)
             .map_err(gen_err)?;
+        if tokens.len() > state.max_prompt_tokens {
+            return Err(EngineError::PromptTooLong {
+                index,
+                tokens: tokens.len(),
+                limit: state.max_prompt_tokens,
+            });
+        }
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(gen_err(crate::Error::TokenOutOfRange { id, vocab }));
+        }
         let suffix = tokens
             .strip_prefix(state.prefix_tokens.as_slice())
-            .filter(|s| !s.is_empty())
             .ok_or(EngineError::PrefixMismatch { index })?;
+        if suffix.is_empty() {
+            return Err(EngineError::NothingAfterPrefix { index });
+        }
         suffixes.push(suffix.to_vec());
     }
     // Similar lengths together: sort (stably) by the last message's length.
@@ -136,6 +177,7 @@ pub(crate) fn generate_batch(
     });
     let mut texts = vec![String::new(); conversations.len()];
     for chunk in order.chunks(state.batch_size) {
+        let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
         let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
         stats.prompt_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
         let generated = generate_chunk(&worker.model, state, &rows, max_tokens).map_err(gen_err)?;
@@ -189,11 +231,14 @@ fn generate_chunk(
     let lengths: Vec<usize> = rows.iter().map(|r| r.len()).collect();
     let mut parts = Vec::new();
     let mut lasts = Vec::new();
+    let prefill_span = tracing::debug_span!("prefill", rows = b).entered();
     for group in prefill_groups(&lengths) {
         let (cache, last) = prefill(model, &state.prefix_cache, &rows[group])?;
         parts.push(cache);
         lasts.push(last);
     }
+    drop(prefill_span);
+    let _decode_span = tracing::debug_span!("decode", rows = b, max_tokens).entered();
     let mut last = concatenate(&lasts, 0)?;
     // One cache for decoding: the groups' caches, padded to the longest,
     // with room for the tokens to come.
@@ -208,10 +253,23 @@ fn generate_chunk(
     let mut done = vec![false; b];
     for step in 0..max_tokens {
         if let Some(processor) = state.processor.as_mut() {
-            last = processor.process(&last)?;
+            let processed = processor.process(&last)?;
+            if processed.shape() != last.shape() {
+                return Err(crate::Error::ProcessorShape {
+                    expected: last.shape().to_vec(),
+                    actual: processed.shape().to_vec(),
+                });
+            }
+            last = processed;
         }
         let next = argmax_axis(&last, -1, None)?.as_dtype(mlx_rs::Dtype::Int32)?;
-        next.eval()?;
+        // NaN logits (from NaN or infinite weights) have no maximum: argmax
+        // would pick an arbitrary token. Checked on the few rows' logits.
+        let finite = last.is_nan()?.any(None)?.logical_not()?;
+        mlx_rs::transforms::eval([&next, &finite])?;
+        if !finite.item_exact::<bool>() {
+            return Err(crate::Error::NotFiniteLogits);
+        }
         let ids: Vec<i32> = next.as_slice::<i32>().to_vec();
         for (row, &id) in ids.iter().enumerate() {
             if done[row] {
@@ -239,6 +297,15 @@ fn generate_chunk(
 /// Prefills `rows` as one left-padded block after the prefix; returns their
 /// cache and the logits of each row's last position.
 fn prefill(model: &Model, prefix: &KvCache, rows: &[&[u32]]) -> crate::Result<(KvCache, Array)> {
+    let mut cache = prefix.fork(rows.len() as i32)?;
+    let last = prefill_into(model, &mut cache, rows)?;
+    Ok((cache, last))
+}
+
+/// Runs `rows`, left-padded to the longest, after what `cache` holds (its
+/// pads are set here), [`PREFILL_CHUNK`] positions at a time; returns the
+/// logits of each row's last position.
+fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::Result<Array> {
     let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
     let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
     let mut block = Vec::with_capacity(rows.len() * width);
@@ -246,15 +313,26 @@ fn prefill(model: &Model, prefix: &KvCache, rows: &[&[u32]]) -> crate::Result<(K
         block.extend(std::iter::repeat_n(0i32, pad));
         block.extend(row.iter().map(|&t| t as i32));
     }
-    let mut cache = prefix.fork(rows.len() as i32)?;
+    let block = Array::from_slice(&block, &[rows.len() as i32, width as i32]);
     cache.pads = pads.iter().map(|&p| p as i32).collect();
-    let mask = padded_causal_mask(&pads, 0, width);
-    let last = model.forward_last(
-        &Array::from_slice(&block, &[rows.len() as i32, width as i32]),
-        &mut cache,
-        Some(&mask),
-    )?;
-    Ok((cache, last))
+    let mut start = 0;
+    loop {
+        let end = (start + PREFILL_CHUNK).min(width);
+        let piece = if start == 0 && end == width {
+            block.clone()
+        } else {
+            block.index((.., start as i32..end as i32))
+        };
+        let mask = padded_causal_mask(&pads, start, end - start);
+        let last = model.forward_last(&piece, cache, Some(&mask))?;
+        if end == width {
+            return Ok(last);
+        }
+        // Evaluated piece by piece: otherwise the lazy graph of every piece
+        // would be computed at once, with all their scores alive together.
+        last.eval()?;
+        start = end;
+    }
 }
 
 #[cfg(test)]

@@ -20,16 +20,56 @@ pub enum ImportWeights {
     F32,
 }
 
-fn gguf_err(e: impl std::fmt::Display) -> Error {
-    Error::Template(format!("GGUF: {e}"))
+/// The GGUF being imported: where errors point.
+struct Source<'a> {
+    path: &'a Path,
+    g: GgufFile,
 }
 
-fn number(g: &GgufFile, key: &str) -> Result<f64> {
-    let a = g
-        .get_metadata_array(key)
-        .map_err(gguf_err)?
-        .ok_or_else(|| gguf_err(format!("metadata {key} is missing")))?;
-    Ok(a.as_dtype(Dtype::Float64)?.item_exact::<f64>())
+impl Source<'_> {
+    fn bad(&self, message: impl std::fmt::Display) -> Error {
+        Error::Gguf {
+            path: self.path.to_path_buf(),
+            message: message.to_string(),
+        }
+    }
+
+    fn number(&self, key: &str) -> Result<f64> {
+        let a = self
+            .g
+            .get_metadata_array(key)
+            .map_err(|e| self.bad(e))?
+            .ok_or_else(|| self.bad(format!("metadata {key} is missing")))?;
+        if a.size() != 1 {
+            return Err(self.bad(format!("metadata {key} is not a single number")));
+        }
+        let value = a.as_dtype(Dtype::Float64)?;
+        value.eval()?;
+        Ok(value.item_exact::<f64>())
+    }
+
+    /// A count or size: a whole number from 1 to `i32::MAX` (MLX's shapes).
+    fn size(&self, key: &str) -> Result<usize> {
+        let v = self.number(key)?;
+        if !(v >= 1.0 && v <= f64::from(i32::MAX) && v.fract() == 0.0) {
+            return Err(self.bad(format!(
+                "metadata {key} = {v} is not a count from 1 to {}",
+                i32::MAX
+            )));
+        }
+        Ok(v as usize)
+    }
+
+    /// A token id: a whole number below `vocab`.
+    fn token_id(&self, key: &str, vocab: usize) -> Result<usize> {
+        let v = self.number(key)?;
+        if !(v >= 0.0 && v < vocab as f64 && v.fract() == 0.0) {
+            return Err(self.bad(format!(
+                "metadata {key} = {v} is not a token id of the {vocab}-token vocabulary"
+            )));
+        }
+        Ok(v as usize)
+    }
 }
 
 /// Undoes llama.cpp's interleaving of q/k rows within each head, which its
@@ -44,12 +84,74 @@ fn unpermute(a: &Array, heads: i32) -> Result<Array> {
         .reshape(&[rows, cols])?)
 }
 
-/// Imports `gguf` into the folder `out` (created; existing files replaced).
+/// Imports `gguf` into the folder `out`, replacing it if it exists.
+///
+/// The file's structure is checked before MLX reads it (counts, lengths and
+/// tensor extents against the file's size; tensor types the import can
+/// convert), and the model's numbers before they size anything. The folder
+/// is built beside `out` and renamed into place: an error leaves `out` as
+/// it was.
 pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()> {
-    let g = GgufFile::load(gguf).map_err(gguf_err)?;
+    let checked = crate::gguf_check::check(gguf)?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    std::fs::create_dir_all(&parent).map_err(io(&parent))?;
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "import".into());
+    let building = tempfile::Builder::new()
+        .prefix(&format!(".{name}.partial-"))
+        .tempdir_in(&parent)
+        .map_err(io(&parent))?;
+    let g = GgufFile::load(gguf).map_err(|e| Error::Gguf {
+        path: gguf.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let source = Source { path: gguf, g };
+    convert(&source, &checked, building.path(), weights)?;
+    // Replace `out` whole: the old folder is moved aside first, so that at
+    // every moment `out` is either the old import or the new one.
+    let aside = match out.exists() {
+        true => {
+            let old = tempfile::Builder::new()
+                .prefix(&format!(".{name}.old-"))
+                .tempdir_in(&parent)
+                .map_err(io(&parent))?;
+            std::fs::rename(out, old.path().join("previous")).map_err(io(out))?;
+            Some(old)
+        }
+        false => None,
+    };
+    let built = building.keep();
+    if let Err(e) = std::fs::rename(&built, out) {
+        // Put the previous import back; the new one goes.
+        if let Some(old) = &aside {
+            let _ = std::fs::rename(old.path().join("previous"), out);
+        }
+        let _ = std::fs::remove_dir_all(&built);
+        return Err(io(out)(e));
+    }
+    Ok(())
+}
+
+/// Writes the mlx_lm folder for `source` into `out` (an empty folder).
+fn convert(
+    source: &Source<'_>,
+    checked: &crate::gguf_check::Checked,
+    out: &Path,
+    weights: ImportWeights,
+) -> Result<()> {
+    let g = &source.g;
     let arch = g
         .get_metadata_string("general.architecture")
-        .map_err(gguf_err)?
+        .map_err(|e| source.bad(e))?
         .unwrap_or_default();
     if arch != "llama" {
         return Err(Error::UnsupportedArchitecture {
@@ -57,12 +159,28 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
             supported: &["llama"],
         });
     }
-    let heads = number(&g, "llama.attention.head_count")? as i32;
-    let kv_heads = number(&g, "llama.attention.head_count_kv")? as i32;
-    let layers = number(&g, "llama.block_count")? as usize;
-    let hidden = number(&g, "llama.embedding_length")? as usize;
-    let tensors = g.arrays().map_err(gguf_err)?;
+    let heads = source.size("llama.attention.head_count")?;
+    let kv_heads = source.size("llama.attention.head_count_kv")?;
+    let layers = source.size("llama.block_count")?;
+    let hidden = source.size("llama.embedding_length")?;
+    let intermediate = source.size("llama.feed_forward_length")?;
+    let context = source.size("llama.context_length")?;
+    if heads % kv_heads != 0 || hidden % heads != 0 || (hidden / heads) % 2 != 0 {
+        return Err(source.bad(format!(
+            "{heads} heads of {kv_heads} key/value heads over {hidden} dimensions do not divide evenly into even head sizes"
+        )));
+    }
+    for i in 0..layers {
+        let key = format!("blk.{i}.attn_q.weight");
+        if !checked.tensors.iter().any(|t| t.name == key) {
+            return Err(source.bad(format!(
+                "llama.block_count is {layers} but there is no tensor {key}"
+            )));
+        }
+    }
+    let tensors = g.arrays().map_err(|e| source.bad(e))?;
     let tied = !tensors.contains_key("output.weight");
+    let (heads, kv_heads) = (heads as i32, kv_heads as i32);
 
     let mut out_tensors: Vec<(String, Array)> = Vec::new();
     let mut quantized_any = false;
@@ -70,7 +188,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
     names.sort();
     for name in names {
         let base = name.trim_end_matches(".weight");
-        let target = rename(base).ok_or_else(|| gguf_err(format!("unexpected tensor {name}")))?;
+        let target = rename(base).ok_or_else(|| source.bad(format!("unexpected tensor {name}")))?;
         let permute = if base.ends_with("attn_q") {
             Some(heads)
         } else if base.ends_with("attn_k") {
@@ -79,6 +197,15 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
             None
         };
         let w = &tensors[name];
+        if let Some(h) = permute {
+            // Rows regroup per head in pairs: they must divide evenly.
+            if w.ndim() != 2 || w.shape()[0] % (2 * h) != 0 {
+                return Err(source.bad(format!(
+                    "{name} has shape {:?}, which does not split into {h} heads",
+                    w.shape()
+                )));
+            }
+        }
         let scales = tensors.get(&format!("{base}.scales"));
         let biases = tensors.get(&format!("{base}.biases"));
         match (scales, biases) {
@@ -89,7 +216,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
                 let elements = s.shape()[1] * group;
                 let bits = w.shape()[1] * 32 / elements;
                 if ![4, 8].contains(&bits) || w.shape()[1] * 32 % elements != 0 {
-                    return Err(gguf_err(format!(
+                    return Err(source.bad(format!(
                         "{name}: only 4- and 8-bit 32-element blocks are supported"
                     )));
                 }
@@ -125,36 +252,35 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
             }
         }
     }
-    std::fs::create_dir_all(out).map_err(|source| Error::Io {
-        path: out.to_path_buf(),
-        source,
-    })?;
     let weights_path = out.join("model.safetensors");
     Array::save_safetensors(
         out_tensors.iter().map(|(k, v)| (k.as_str(), v)),
         None,
         &weights_path,
     )
-    .map_err(|e| gguf_err(format!("writing {}: {e}", weights_path.display())))?;
+    .map_err(|e| source.bad(format!("writing {}: {e}", weights_path.display())))?;
 
     let tokens = g
         .get_metadata_strings("tokenizer.ggml.tokens")
-        .map_err(gguf_err)?
+        .map_err(|e| source.bad(e))?
         .unwrap_or_default();
-    let bos = number(&g, "tokenizer.ggml.bos_token_id")? as usize;
-    let eos = number(&g, "tokenizer.ggml.eos_token_id")? as usize;
+    if tokens.is_empty() {
+        return Err(source.bad("tokenizer.ggml.tokens is missing or empty"));
+    }
+    let bos = source.token_id("tokenizer.ggml.bos_token_id", tokens.len())?;
+    let eos = source.token_id("tokenizer.ggml.eos_token_id", tokens.len())?;
     let mut config = serde_json::json!({
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": number(&g, "llama.feed_forward_length")? as usize,
+        "intermediate_size": intermediate,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": hidden / heads as usize,
-        "rms_norm_eps": number(&g, "llama.attention.layer_norm_rms_epsilon")?,
-        "rope_theta": number(&g, "llama.rope.freq_base")?,
-        "max_position_embeddings": number(&g, "llama.context_length")? as usize,
+        "rms_norm_eps": source.number("llama.attention.layer_norm_rms_epsilon")?,
+        "rope_theta": source.number("llama.rope.freq_base")?,
+        "max_position_embeddings": context,
         "vocab_size": tokens.len(),
         "tie_word_embeddings": tied,
         "bos_token_id": bos,
@@ -169,7 +295,13 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
         &out.join("generation_config.json"),
         &serde_json::json!({"bos_token_id": bos, "eos_token_id": eos}),
     )?;
-    write_tokenizer(&g, &tokens, out, bos, eos)
+    write_tokenizer(source, &tokens, out, bos, eos)?;
+    // The tokenizer must load (a corrupt merges list fails here), and the
+    // model too, before the folder is published.
+    let tokenizer = out.join("tokenizer.json");
+    tokenizers::Tokenizer::from_file(&tokenizer)
+        .map_err(|e| source.bad(format!("the vocabulary does not make a tokenizer: {e}")))?;
+    Ok(())
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
@@ -210,28 +342,29 @@ fn rename(base: &str) -> Option<String> {
 /// = "gpt2"` means), digits split one by one first (SmolLM's pre-tokenizer),
 /// control tokens (type 3) as special added tokens.
 fn write_tokenizer(
-    g: &GgufFile,
+    source: &Source<'_>,
     tokens: &[String],
     out: &Path,
     bos: usize,
     eos: usize,
 ) -> Result<()> {
+    let g = &source.g;
     let model = g
         .get_metadata_string("tokenizer.ggml.model")
-        .map_err(gguf_err)?
+        .map_err(|e| source.bad(e))?
         .unwrap_or_default();
     if model != "gpt2" {
-        return Err(gguf_err(format!(
+        return Err(source.bad(format!(
             "tokenizer model {model:?} is not supported; only \"gpt2\" (byte-level BPE) is"
         )));
     }
     let merges = g
         .get_metadata_strings("tokenizer.ggml.merges")
-        .map_err(gguf_err)?
+        .map_err(|e| source.bad(e))?
         .unwrap_or_default();
     let types: Vec<i32> = match g
         .get_metadata_array("tokenizer.ggml.token_type")
-        .map_err(gguf_err)?
+        .map_err(|e| source.bad(e))?
     {
         Some(a) => {
             let a = a.as_dtype(Dtype::Int32)?;
@@ -282,7 +415,7 @@ fn write_tokenizer(
     });
     if let Some(template) = g
         .get_metadata_string("tokenizer.chat_template")
-        .map_err(gguf_err)?
+        .map_err(|e| source.bad(e))?
     {
         tokenizer_config["chat_template"] = template.into();
     }

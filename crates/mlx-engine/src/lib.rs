@@ -28,14 +28,11 @@
 //! # };
 //! # let model_dir = std::path::Path::new(&fixture).join("f32");
 //! let system = Message::new("system", "Answer in one short sentence.");
-//! let engine = MlxEngine::new(EngineConfig {
-//!     model_dir, // e.g. the folder adapter_fuse::ensure_fused returns
-//!     logits_processor_factory: None,
-//!     prefix_messages: vec![system.clone()],
-//!     batch_size: 8,
-//!     worker_name: "mlx".into(),
-//!     quantized: None,
-//! })?;
+//! // `model_dir`: e.g. the folder adapter_fuse::ensure_fused returns.
+//! let config = EngineConfig::new(model_dir)
+//!     .prefix_messages(vec![system.clone()])
+//!     .batch_size(8);
+//! let engine = MlxEngine::new(config)?;
 //! engine.ensure_loaded()?;
 //! let question = vec![system, Message::new("user", "What is the capital of France?")];
 //! let answers = engine.generate(vec![question], |_| {}, 12)?;
@@ -71,13 +68,15 @@ mod error;
 mod fused;
 mod generate;
 mod gguf;
+mod gguf_check;
 mod model;
 mod tokenizer;
 
 pub use cache::{padded_causal_mask, KvCache};
 pub use config::{ModelConfig, Quantization, SUPPORTED};
 pub use engine::{
-    EngineConfig, EngineError, LogitsProcessor, LogitsProcessorFactory, MlxEngine, Reply, Worker,
+    EngineConfig, EngineError, LogitsProcessor, LogitsProcessorFactory, MlxEngine, Reply,
+    SpecialTokens, Worker, DEFAULT_MAX_PROMPT_TOKENS,
 };
 pub use error::{Error, Result};
 pub use generate::GenerationStats;

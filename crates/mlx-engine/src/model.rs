@@ -225,7 +225,20 @@ impl Model {
                 actual: embed_t.shape().iter().rev().copied().collect(),
             });
         }
-        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        // The config's layer count is checked against the layers the files
+        // hold before anything is sized by it.
+        let layer_prefix = st_mmap::BlockPrefix::new("model.layers.");
+        let present = st_mmap::BlockIndex::build(&layer_prefix, set.keys())?.len();
+        if config.num_hidden_layers > present {
+            return Err(Error::Config {
+                path: dir.join("config.json"),
+                message: format!(
+                    "num_hidden_layers is {} but the weights hold {present} layers (model.layers.N)",
+                    config.num_hidden_layers
+                ),
+            });
+        }
+        let mut layers = Vec::new();
         for i in 0..config.num_hidden_layers {
             let p = format!("model.layers.{i}");
             layers.push(Layer {

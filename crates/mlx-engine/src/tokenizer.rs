@@ -5,6 +5,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use crate::engine::SpecialTokens;
 use crate::error::{Error, Result};
 
 /// One chat message.
@@ -31,6 +32,10 @@ impl Message {
 /// the end-of-sequence ids from the configs.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same vocabulary reading special-token strings as plain text.
+    as_text: tokenizers::Tokenizer,
+    /// Ids of the added tokens marked special (control tokens).
+    special_ids: BTreeSet<u32>,
     template: Option<String>,
     bos: Option<String>,
     eos: Option<String>,
@@ -93,8 +98,18 @@ impl Tokenizer {
         if let Some(id) = eos.as_deref().and_then(|t| inner.token_to_id(t)) {
             eos_ids.insert(id);
         }
+        let mut as_text = inner.clone();
+        as_text.set_encode_special_tokens(true);
+        let special_ids = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect();
         Ok(Tokenizer {
             inner,
+            as_text,
+            special_ids,
             template,
             bos,
             eos,
@@ -180,12 +195,66 @@ impl Tokenizer {
             .map_err(|e| Error::Template(e.to_string()))
     }
 
-    /// The token ids of `messages` rendered with the chat template.
+    /// The token ids of `messages` rendered with the chat template, with
+    /// special-token strings inside the messages' contents read as
+    /// `special` says. The template's own special tokens are always
+    /// special.
     pub fn chat_tokens(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
+        special: SpecialTokens,
     ) -> Result<Vec<u32>> {
-        self.encode(&self.apply_chat_template(messages, add_generation_prompt)?)
+        let text = self.apply_chat_template(messages, add_generation_prompt)?;
+        let encoding = self
+            .inner
+            .encode(text.as_str(), false)
+            .map_err(|e| Error::Template(e.to_string()))?;
+        if special == SpecialTokens::Honor {
+            return Ok(encoding.get_ids().to_vec());
+        }
+        let spans = content_spans(&text, messages);
+        let in_content =
+            |&(start, end): &(usize, usize)| spans.iter().any(|s| start < s.end && end > s.start);
+        // A control token whose text stands inside a message's content came
+        // from that content, not from the template: it becomes the tokens of
+        // its text read as plain text. Everything else keeps the whole
+        // text's encoding (what mlx_lm produces), so that ordinary prompts,
+        // and the shared prefix's tokens, are unchanged.
+        let mut ids = Vec::with_capacity(encoding.len());
+        for (&id, offsets) in encoding.get_ids().iter().zip(encoding.get_offsets()) {
+            if self.special_ids.contains(&id) && in_content(offsets) {
+                let plain = self
+                    .as_text
+                    .encode(&text[offsets.0..offsets.1], false)
+                    .map_err(|e| Error::Template(e.to_string()))?;
+                ids.extend_from_slice(plain.get_ids());
+            } else {
+                ids.push(id);
+            }
+        }
+        Ok(ids)
     }
+}
+
+/// Where each message's content stands in the rendered `text`, in order
+/// (byte ranges). Templates may trim a content; a content found neither
+/// whole nor trimmed after the previous one is left out.
+fn content_spans(text: &str, messages: &[Message]) -> Vec<std::ops::Range<usize>> {
+    let mut spans = Vec::new();
+    let mut cursor = 0;
+    for message in messages {
+        for content in [message.content.as_str(), message.content.trim()] {
+            if content.is_empty() {
+                break;
+            }
+            if let Some(found) = text[cursor..].find(content) {
+                let start = cursor + found;
+                spans.push(start..start + content.len());
+                cursor = start + content.len();
+                break;
+            }
+        }
+    }
+    spans
 }

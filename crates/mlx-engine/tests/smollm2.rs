@@ -6,7 +6,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use mlx_engine::{EngineConfig, KvCache, Message, MlxEngine, Model, QuantizedWeights, Tokenizer};
+use mlx_engine::{
+    EngineConfig, KvCache, Message, MlxEngine, Model, QuantizedWeights, SpecialTokens, Tokenizer,
+};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
@@ -32,15 +34,8 @@ fn engine_answers_a_question() {
         eprintln!("SKIP engine_answers_a_question: no SmolLM2 fixture (run cargo xtask fixtures)");
         return;
     };
-    let engine = MlxEngine::new(EngineConfig {
-        model_dir: dir,
-        logits_processor_factory: None,
-        prefix_messages: vec![],
-        batch_size: 2,
-        worker_name: "smollm2".into(),
-        quantized: None,
-    })
-    .unwrap();
+    let engine =
+        MlxEngine::new(EngineConfig::new(dir).batch_size(2).worker_name("smollm2")).unwrap();
     let texts = engine
         .generate(vec![prompts()[0].clone()], |_| {}, 12)
         .unwrap();
@@ -90,7 +85,9 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
     let model = Model::load(&dir, QuantizedWeights::DequantizeF32).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     for (prompt, want) in prompts().iter().zip(&reference) {
-        let ids = tokenizer.chat_tokens(prompt, true).unwrap();
+        let ids = tokenizer
+            .chat_tokens(prompt, true, SpecialTokens::AsText)
+            .unwrap();
         let want_ids: Vec<u32> = serde_json::from_value(want["ids"].clone()).unwrap();
         assert_eq!(ids, want_ids, "token ids of {prompt:?}");
 
@@ -148,7 +145,7 @@ fn quantized_import_agrees_with_f32_import() {
     };
     let tokenizer = Tokenizer::load(&f32_dir).unwrap();
     let ids: Vec<i32> = tokenizer
-        .chat_tokens(&prompts()[0], true)
+        .chat_tokens(&prompts()[0], true, SpecialTokens::AsText)
         .unwrap()
         .iter()
         .map(|&t| t as i32)
