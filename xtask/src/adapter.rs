@@ -1,11 +1,11 @@
 //! `encode-adapter`, `decode-adapter` and `adapter-info`: the adapter codec
 //! from the command line.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use adapter_codec::AdapterCodec;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Inputs above this size get a progress bar.
@@ -25,58 +25,22 @@ fn bar(total: u64, what: &str) -> ProgressBar {
     bar
 }
 
-/// Positional arguments and `--flag value` pairs.
-type Parsed = (Vec<String>, Vec<(String, String)>);
-
-/// Splits `args` into positional arguments and `--flag value` pairs.
-fn parse(args: &[String], flags: &[&str]) -> Result<Parsed> {
-    let mut positional = Vec::new();
-    let mut options = Vec::new();
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        if let Some(name) = arg.strip_prefix("--") {
-            if !flags.contains(&name) {
-                bail!("unknown option --{name}; expected one of {flags:?}");
-            }
-            let value = iter
-                .next()
-                .with_context(|| format!("--{name} needs a value"))?;
-            options.push((name.to_owned(), value.clone()));
-        } else {
-            positional.push(arg.clone());
-        }
-    }
-    Ok((positional, options))
-}
-
 /// The config that travels with an adapter: `adapter_config.json` beside it.
-fn sibling_config(path: &std::path::Path) -> PathBuf {
+fn sibling_config(path: &Path) -> PathBuf {
     path.with_file_name("adapter_config.json")
 }
 
-pub fn encode(args: &[String]) -> Result<()> {
-    let (positional, options) = parse(args, &["out", "level"])?;
-    let [src] = positional.as_slice() else {
-        bail!("usage: cargo xtask encode-adapter SRC.safetensors [--out FILE.zst] [--level N]");
-    };
-    let src = PathBuf::from(src);
-    let mut out = PathBuf::from(format!("{}.zst", src.display()));
-    let mut codec_level = adapter_codec::DEFAULT_LEVEL;
-    for (name, value) in options {
-        match name.as_str() {
-            "out" => out = PathBuf::from(value),
-            _ => {
-                codec_level = value
-                    .parse()
-                    .with_context(|| format!("--level {value:?} is not a number"))?
-            }
-        }
-    }
-    let codec = AdapterCodec::new(&out, sibling_config(&out)).with_level(codec_level)?;
-    let total = std::fs::metadata(&src).map(|m| m.len()).unwrap_or(0);
+/// `encode-adapter SRC [--out FILE.zst] [--level N]`.
+pub fn encode(src: &Path, out: Option<&Path>, level: i32) -> Result<()> {
+    let out = out.map_or_else(
+        || PathBuf::from(format!("{}.zst", src.display())),
+        Path::to_path_buf,
+    );
+    let codec = AdapterCodec::new(&out, sibling_config(&out)).with_level(level)?;
+    let total = std::fs::metadata(src).map(|m| m.len()).unwrap_or(0);
     let progress = bar(total, "encoding");
     let start = Instant::now();
-    let stats = codec.encode_with_progress(&src, |done, _| progress.set_position(done))?;
+    let stats = codec.encode_with_progress(src, |done, _| progress.set_position(done))?;
     progress.finish_and_clear();
     println!("wrote {}", out.display());
     println!(
@@ -93,32 +57,31 @@ pub fn encode(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-pub fn decode(args: &[String]) -> Result<()> {
-    let (positional, _) = parse(args, &[])?;
-    let [zst, dst] = positional.as_slice() else {
-        bail!("usage: cargo xtask decode-adapter FILE.zst DST.safetensors");
-    };
-    let codec = AdapterCodec::new(zst, sibling_config(zst.as_ref()));
+/// `decode-adapter FILE.zst DST`.
+pub fn decode(zst: &Path, dst: &Path) -> Result<()> {
+    let codec = AdapterCodec::new(zst, sibling_config(zst));
     let total = codec.header().map(|h| h.file_len() as u64)?;
     let progress = bar(total, "decoding");
     let stats = codec.decode_with_progress(dst, |done, _| progress.set_position(done))?;
     progress.finish_and_clear();
     println!(
-        "wrote {dst}: {} tensors, {}, {} bytes",
-        stats.tensors, stats.dtype, stats.bytes
+        "wrote {}: {} tensors, {}, {} bytes",
+        dst.display(),
+        stats.tensors,
+        stats.dtype,
+        stats.bytes
     );
     Ok(())
 }
 
-pub fn info(args: &[String]) -> Result<()> {
-    let (positional, _) = parse(args, &[])?;
-    let [zst] = positional.as_slice() else {
-        bail!("usage: cargo xtask adapter-info FILE.zst");
-    };
-    let codec = AdapterCodec::new(zst, sibling_config(zst.as_ref()));
+/// `adapter-info FILE.zst`.
+pub fn info(zst: &Path) -> Result<()> {
+    let codec = AdapterCodec::new(zst, sibling_config(zst));
     let header = codec.header()?;
-    let compressed = std::fs::metadata(zst).with_context(|| zst.clone())?.len();
-    println!("file        {zst}");
+    let compressed = std::fs::metadata(zst)
+        .with_context(|| zst.display().to_string())?
+        .len();
+    println!("file        {}", zst.display());
     println!("digest      {}", codec.digest()?);
     println!("dtype       {}", codec.dtype()?);
     println!("tensors     {}", header.tensors().len());

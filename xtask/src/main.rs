@@ -16,41 +16,157 @@ mod fixtures;
 mod prereqs;
 mod release;
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
 
 /// Names the Python that interop tests compare against.
 const INTEROP_PYTHON_VAR: &str = "MLX_LOWMEM_PYTHON";
 
+/// The project's automation: the demo, the tests, benchmarks, the adapter
+/// codec on the command line, fixtures and releases.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run the end-to-end demo (the main job). Arguments go to the demo;
+    /// `cargo xtask demo --help` lists them.
+    #[command(disable_help_flag = true)]
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Formatting, lints and every test in the workspace (what CI runs).
+    Test,
+    /// Run the benchmarks (all by default). Arguments after the name go to
+    /// that benchmark.
+    Bench {
+        #[arg(value_enum, default_value_t = Bench::All)]
+        which: Bench,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Compress a safetensors LoRA adapter into the shipping format.
+    EncodeAdapter {
+        /// The adapter, e.g. adapters.safetensors.
+        src: PathBuf,
+        /// Where to write the `.zst` (default: SRC.zst).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// zstd level; digests equal the reference's only at 19.
+        #[arg(long, default_value_t = adapter_codec::DEFAULT_LEVEL, allow_negative_numbers = true)]
+        level: i32,
+    },
+    /// Decompress a shipped adapter back into safetensors.
+    DecodeAdapter {
+        /// The compressed adapter.
+        zst: PathBuf,
+        /// The safetensors file to write.
+        dst: PathBuf,
+    },
+    /// Show a shipped adapter's digest, dtype, tensors and sizes.
+    AdapterInfo {
+        /// The compressed adapter.
+        zst: PathBuf,
+    },
+    /// Download and import SmolLM2-135M-Instruct once (tests, demo, benches).
+    Fixtures,
+    /// Import a GGUF model into an mlx_lm-format folder.
+    ImportGguf {
+        /// The GGUF file.
+        src: PathBuf,
+        /// The folder to create.
+        dst: PathBuf,
+        /// Dequantize every weight to f32 instead of keeping MLX 4-bit.
+        #[arg(long)]
+        f32: bool,
+    },
+    /// Check publishing (`--dry-run`) or bump the version and changelog.
+    Release {
+        /// Report what would stop `cargo publish`, and package each crate.
+        #[arg(long, conflicts_with = "version", required_unless_present = "version")]
+        dry_run: bool,
+        /// The new version, e.g. 0.2.0.
+        version: Option<String>,
+    },
+    /// Install the system packages the MLX build needs, and nothing else.
+    Prereqs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Bench {
+    All,
+    Matmul,
+    Codec,
+    Stream,
+    Fuse,
+    Engine,
+}
+
 fn main() -> std::process::ExitCode {
-    match run() {
+    let cli = Cli::parse();
+    // The libraries trace (spans for fuse, download, load, generation); this
+    // is where their events are shown. `RUST_LOG=info` (or `debug`) for more.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", report(&e));
             std::process::ExitCode::FAILURE
         }
     }
 }
 
-fn run() -> Result<()> {
+/// The error and its causes on one line, leaving out a cause whose text
+/// the line already holds (the crates' errors often print their source).
+fn report(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+fn run(cli: Cli) -> Result<()> {
+    // Paths on the command line are the caller's: resolve them against the
+    // directory the command was started in, before moving to the workspace.
+    let caller = std::env::current_dir().context("reading the current directory")?;
+    let here = |p: &Path| caller.join(p);
     // Every command works on the workspace, wherever it was started from.
     // `cargo run` gives the manifest folder at run time; the compile-time one
     // is wrong when a binary built in one checkout serves another (a shared
     // CARGO_TARGET_DIR reuses it: path packages' builds are relocatable).
     let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
-        .map(std::path::PathBuf::from)
+        .map(PathBuf::from)
         .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into());
     let root = manifest_dir
         .parent()
-        .context("xtask lives inside the workspace")?;
-    std::env::set_current_dir(root).context("entering the workspace root")?;
-    let mut args = std::env::args().skip(1);
-    let command = args.next().unwrap_or_default();
-    let rest: Vec<String> = args.collect();
-    match command.as_str() {
-        "prereqs" => prereqs::ensure(),
-        "fixtures" => {
+        .context("xtask lives inside the workspace")?
+        .to_path_buf();
+    std::env::set_current_dir(&root).context("entering the workspace root")?;
+    match cli.command {
+        Cmd::Prereqs => prereqs::ensure(),
+        Cmd::Fixtures => {
             prereqs::ensure()?;
             let dir = fixtures::ensure()?;
             println!(
@@ -60,19 +176,21 @@ fn run() -> Result<()> {
             );
             Ok(())
         }
-        "import-gguf" => {
+        Cmd::ImportGguf { src, dst, f32 } => {
             prereqs::ensure()?;
-            let [src, dst, rest @ ..] = rest.as_slice() else {
-                bail!("usage: cargo xtask import-gguf SRC.gguf DST [--f32]");
-            };
-            let flag = rest.iter().find(|a| *a == "--f32").map(String::as_str);
-            fixtures::import(src.as_ref(), dst.as_ref(), flag)
+            fixtures::import(&here(&src), &here(&dst), f32.then_some("--f32"))
         }
-        "release" => release::run(&rest),
-        "encode-adapter" => adapter::encode(&rest),
-        "decode-adapter" => adapter::decode(&rest),
-        "adapter-info" => adapter::info(&rest),
-        "test" => {
+        Cmd::Release { dry_run, version } => match (dry_run, version) {
+            (true, _) => release::dry_run(),
+            (false, Some(version)) => release::bump(&version),
+            (false, None) => bail!("give --dry-run or a VERSION"),
+        },
+        Cmd::EncodeAdapter { src, out, level } => {
+            adapter::encode(&here(&src), out.as_deref().map(here).as_deref(), level)
+        }
+        Cmd::DecodeAdapter { zst, dst } => adapter::decode(&here(&zst), &here(&dst)),
+        Cmd::AdapterInfo { zst } => adapter::info(&here(&zst)),
+        Cmd::Test => {
             prereqs::ensure()?;
             if let Some(python) = prereqs::interop_python() {
                 // Read by the interop tests (they fall back to `python3`).
@@ -81,98 +199,78 @@ fn run() -> Result<()> {
             // The real model; tests that need it skip, saying so, without it.
             match fixtures::ensure() {
                 Ok(dir) => std::env::set_var("MLX_LOWMEM_SMOLLM2", dir),
-                Err(e) => {
-                    eprintln!("xtask: warning: no SmolLM2 fixture ({e:#}); its tests will skip")
-                }
+                Err(e) => eprintln!(
+                    "xtask: warning: no SmolLM2 fixture ({}); its tests will skip",
+                    report(&e)
+                ),
             }
             test()
         }
-        "demo" => {
+        Cmd::Demo { mut args } => {
             prereqs::ensure()?;
-            let mut args = rest.clone();
-            if !args.iter().any(|a| a == "--model-dir") {
+            let help = args.iter().any(|a| a == "--help" || a == "-h");
+            if !help && !args.iter().any(|a| a == "--model-dir") {
                 let dir = fixtures::ensure()?;
                 args.extend([
                     "--model-dir".to_owned(),
                     dir.join("f32").display().to_string(),
                 ]);
             }
-            cargo(&["run", "--release", "--package", "demo", "--"], &args)
-        }
-        "bench" => {
-            prereqs::ensure()?;
-            let which = rest.first().map(String::as_str).unwrap_or("all");
-            if matches!(which, "all" | "matmul") {
-                cargo(&["bench", "--package", "demo", "--bench", "matmul"], &[])?;
-            }
-            if matches!(which, "all" | "codec") {
-                cargo(
-                    &["bench", "--package", "adapter-codec", "--bench", "codec"],
-                    &[],
-                )?;
-            }
-            if matches!(which, "all" | "stream") {
-                cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
-            }
-            if matches!(which, "all" | "fuse") {
-                std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
-                if let Some(python) = prereqs::interop_python() {
-                    std::env::set_var(INTEROP_PYTHON_VAR, python);
-                }
-                let args: Vec<String> = rest.iter().skip(1).cloned().collect();
-                cargo(
-                    &[
-                        "bench",
-                        "--package",
-                        "adapter-fuse",
-                        "--bench",
-                        "fuse",
-                        "--",
-                    ],
-                    &args,
-                )?;
-            }
-            if matches!(which, "all" | "engine") {
-                std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
-                if let Some(python) = prereqs::interop_python() {
-                    std::env::set_var(INTEROP_PYTHON_VAR, python);
-                }
-                let args: Vec<String> = rest.iter().skip(1).cloned().collect();
-                cargo(
-                    &[
-                        "bench",
-                        "--package",
-                        "mlx-engine",
-                        "--bench",
-                        "engine",
-                        "--",
-                    ],
-                    &args,
-                )?;
-            }
-            if !matches!(
-                which,
-                "all" | "matmul" | "codec" | "stream" | "fuse" | "engine"
-            ) {
-                bail!("unknown benchmark {which:?}: use matmul, codec, stream, fuse, engine, or nothing for all");
+            // The demo runs in the caller's directory, so that its own
+            // path arguments mean what the caller meant.
+            let manifest = root.join("Cargo.toml");
+            let manifest = manifest.to_string_lossy();
+            let status = Command::new(cargo_bin())
+                .current_dir(&caller)
+                .args(["run", "--quiet", "--release", "--manifest-path"])
+                .arg(&*manifest)
+                .args(["--package", "demo", "--"])
+                .args(&args)
+                .status()
+                .context("running the demo")?;
+            if !status.success() {
+                bail!("the demo failed ({status})");
             }
             Ok(())
         }
-        _ => bail!(
-            "usage: cargo xtask <command>\n\n\
-             commands:\n  \
-             demo [ARGS]  run the end-to-end demo (the main job)\n  \
-             test         formatting, lints and every test in the workspace\n  \
-             bench [matmul|codec|stream|fuse|engine]  run the benchmarks (all by default)\n  \
-             encode-adapter SRC [--out FILE.zst] [--level N]\n  \
-             decode-adapter FILE.zst DST\n  \
-             adapter-info FILE.zst\n  \
-             fixtures     download and import SmolLM2-135M-Instruct once\n  \
-             import-gguf SRC.gguf DST [--f32]\n  \
-             release --dry-run | VERSION  check publishing / bump the version and changelog\n  \
-             prereqs      install the system packages the MLX build needs"
-        ),
+        Cmd::Bench { which, args } => bench(which, &args),
     }
+}
+
+fn bench(which: Bench, args: &[String]) -> Result<()> {
+    prereqs::ensure()?;
+    let all = which == Bench::All;
+    if all || which == Bench::Matmul {
+        cargo(&["bench", "--package", "demo", "--bench", "matmul"], &[])?;
+    }
+    if all || which == Bench::Codec {
+        cargo(
+            &["bench", "--package", "adapter-codec", "--bench", "codec"],
+            &[],
+        )?;
+    }
+    if all || which == Bench::Stream {
+        cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
+    }
+    for (bench, package) in [(Bench::Fuse, "adapter-fuse"), (Bench::Engine, "mlx-engine")] {
+        if !(all || which == bench) {
+            continue;
+        }
+        std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
+        if let Some(python) = prereqs::interop_python() {
+            std::env::set_var(INTEROP_PYTHON_VAR, python);
+        }
+        let name = if bench == Bench::Fuse {
+            "fuse"
+        } else {
+            "engine"
+        };
+        cargo(
+            &["bench", "--package", package, "--bench", name, "--"],
+            if all { &[] } else { args },
+        )?;
+    }
+    Ok(())
 }
 
 /// fmt, clippy, doc-tests, then all other tests. MLX is not thread-safe, so

@@ -20,14 +20,6 @@ const UNRELEASED: &str = "## [Unreleased]";
 /// in under mlx-rs; crates.io's `mlx-sys` is upstream's, so it never ships.
 const STAND_IN: &str = "mlx-sys";
 
-pub fn run(args: &[String]) -> Result<()> {
-    match args {
-        [flag] if flag == "--dry-run" => dry_run(),
-        [version] if !version.starts_with('-') => bump(version),
-        _ => bail!("usage: cargo xtask release --dry-run | cargo xtask release VERSION"),
-    }
-}
-
 /// The parts of `cargo metadata` the checks read.
 #[derive(Debug, Deserialize)]
 struct Metadata {
@@ -113,7 +105,7 @@ fn metadata() -> Result<Metadata> {
     serde_json::from_slice(&out.stdout).context("reading cargo metadata's JSON")
 }
 
-fn dry_run() -> Result<()> {
+pub fn dry_run() -> Result<()> {
     let metadata = metadata()?;
     let changelog = std::fs::read_to_string(CHANGELOG).unwrap_or_default();
     let workspace_version = shared_version(&metadata)?;
@@ -471,7 +463,7 @@ fn cargo_package(names: &[&String], verify: bool) -> Result<()> {
 
 /// `release VERSION`: one version for every published crate but the
 /// stand-in, and the changelog's Unreleased entries under it.
-fn bump(version: &str) -> Result<()> {
+pub fn bump(version: &str) -> Result<()> {
     let parsed = semver::Version::parse(version)
         .with_context(|| format!("{version:?} is not a semantic version"))?;
     let metadata = metadata()?;
