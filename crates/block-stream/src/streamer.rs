@@ -281,6 +281,8 @@ impl BlockStreamer {
         evict_previous: Option<usize>,
         lora_sources: &[&BlockLoraSource],
     ) -> Result<()> {
+        let _span =
+            tracing::debug_span!("bind", block = idx, lora_sources = lora_sources.len()).entered();
         self.check_open()?;
         let params = self.params(idx)?.clone();
         if !lora_sources.is_empty() && self.fuser.is_none() {

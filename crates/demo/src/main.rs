@@ -9,25 +9,35 @@
 //!
 //! Flags: `--model-dir DIR` (default: the SmolLM2 fixture, passed by
 //! xtask), `--dataset FILE.jsonl`, `--batch-size N`, `--max-tokens N`,
-//! `--json` (a machine-readable summary on the last line).
+//! `--json` (a machine-readable summary on the last line); `--help`.
+//! `RUST_LOG=info` shows the libraries' tracing (fuse, load, generation).
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use block_stream::{best_device, use_device};
+use clap::{Parser, Subcommand};
 use demo::streaming::{child_main, measure, Mode};
 use demo::synthetic::{generate, Spec};
 use mlx_rs::Dtype;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // The streaming measurements' child processes (an internal protocol).
     if child_main(&args)? {
         return Ok(());
     }
-    if args.first().map(String::as_str) == Some("import-gguf") {
-        return import_gguf(&args[1..]);
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let options = Options::parse();
+    if let Some(Command::ImportGguf { src, dst, f32 }) = &options.command {
+        return import_gguf(src, dst, *f32);
     }
-    let options = Options::parse(&args)?;
     // The engine's MLX work frees and reallocates buffers all the time;
     // keeping freed memory spares the kernel faulting it in again (see its
     // docs). After the streaming children are dispatched: their memory
@@ -64,37 +74,43 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// The toolkit end to end on this machine: MLX and BLAS, adapter shipping,
+/// the fuse into the hub cache, classification with the engine, and block
+/// streaming.
+#[derive(Debug, Parser)]
+#[command(name = "demo")]
 struct Options {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// An mlx_lm-format model folder (`cargo xtask demo` passes SmolLM2's).
+    #[arg(long)]
     model_dir: Option<PathBuf>,
+    /// The reviews to classify, JSON lines with `text` and `label` (1-5).
+    #[arg(long, default_value_os_t = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/sentiment.jsonl"))]
     dataset: PathBuf,
+    /// Conversations per batch.
+    #[arg(long, default_value_t = 8)]
     batch_size: usize,
+    /// Tokens to generate per review (1: classification).
+    #[arg(long, default_value_t = 1)]
     max_tokens: usize,
+    /// Print a machine-readable summary on the last line.
+    #[arg(long)]
     json: bool,
 }
 
-impl Options {
-    fn parse(args: &[String]) -> Result<Options> {
-        let mut o = Options {
-            model_dir: None,
-            dataset: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/sentiment.jsonl"),
-            batch_size: 8,
-            max_tokens: 1,
-            json: false,
-        };
-        let mut it = args.iter();
-        while let Some(arg) = it.next() {
-            let mut value = || it.next().with_context(|| format!("{arg} needs a value"));
-            match arg.as_str() {
-                "--model-dir" => o.model_dir = Some(PathBuf::from(value()?)),
-                "--dataset" => o.dataset = PathBuf::from(value()?),
-                "--batch-size" => o.batch_size = value()?.parse()?,
-                "--max-tokens" => o.max_tokens = value()?.parse()?,
-                "--json" => o.json = true,
-                other => anyhow::bail!("unknown argument {other:?}"),
-            }
-        }
-        Ok(o)
-    }
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Import a GGUF model into an mlx_lm-format folder.
+    ImportGguf {
+        /// The GGUF file.
+        src: PathBuf,
+        /// The folder to create (replaced if it exists).
+        dst: PathBuf,
+        /// Dequantize every weight to f32 instead of keeping MLX 4-bit.
+        #[arg(long)]
+        f32: bool,
+    },
 }
 
 fn end_to_end(
@@ -183,18 +199,17 @@ fn streaming() -> Result<()> {
 }
 
 /// `demo import-gguf SRC.gguf DST [--f32]`: behind `cargo xtask import-gguf`.
-fn import_gguf(args: &[String]) -> Result<()> {
-    let f32 = args.iter().any(|a| a == "--f32");
-    let paths: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
-    let [src, dst] = paths.as_slice() else {
-        anyhow::bail!("usage: import-gguf SRC.gguf DST [--f32]");
-    };
+fn import_gguf(src: &std::path::Path, dst: &std::path::Path, f32: bool) -> Result<()> {
     let weights = if f32 {
         mlx_engine::ImportWeights::F32
     } else {
         mlx_engine::ImportWeights::Quantized
     };
-    mlx_engine::import_gguf(src.as_ref(), dst.as_ref(), weights)?;
-    println!("imported {src} into {dst} ({weights:?})");
+    mlx_engine::import_gguf(src, dst, weights)?;
+    println!(
+        "imported {} into {} ({weights:?})",
+        src.display(),
+        dst.display()
+    );
     Ok(())
 }
