@@ -4,10 +4,10 @@
 use std::process::Command;
 
 use anyhow::Result;
-use block_stream::{
+use mlx_rs::{Array, Dtype};
+use mlx_support::{
     best_device, current_device, is_available, use_device, ComputeDevice, DeviceError,
 };
-use mlx_rs::{Array, Dtype};
 
 #[test]
 fn device_policy_per_platform() {
@@ -52,7 +52,7 @@ fn memory_statistics_follow_allocations() -> Result<()> {
 
 #[test]
 fn the_loaded_mlx_is_the_pinned_release() {
-    assert_eq!(block_stream::mlx_version(), mlx_sys::MLX_VERSION);
+    assert_eq!(mlx_support::mlx_version(), mlx_sys::MLX_VERSION);
 }
 
 #[test]

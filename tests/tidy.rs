@@ -64,3 +64,103 @@ fn no_source_file_is_over_800_lines() {
         .collect();
     assert!(long.is_empty(), "split these files: {long:?}");
 }
+
+/// One dependency between workspace crates: (crate, dependency, dev?).
+type Edge = (String, String, bool);
+
+/// The edges `cargo metadata` reports between workspace crates.
+fn manifest_edges() -> std::collections::BTreeSet<Edge> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args([
+            "metadata",
+            "--no-deps",
+            "--format-version",
+            "1",
+            "--offline",
+        ])
+        .current_dir(workspace_root())
+        .output()
+        .expect("running cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let packages = metadata["packages"].as_array().unwrap();
+    let members: std::collections::BTreeSet<&str> =
+        packages.iter().filter_map(|p| p["name"].as_str()).collect();
+    let mut edges = std::collections::BTreeSet::new();
+    for package in packages {
+        let from = package["name"].as_str().unwrap();
+        for dep in package["dependencies"].as_array().unwrap() {
+            let to = dep["name"].as_str().unwrap();
+            if members.contains(to) {
+                let dev = dep["kind"].as_str() == Some("dev");
+                edges.insert((from.to_owned(), to.to_owned(), dev));
+            }
+        }
+    }
+    edges
+}
+
+/// The edges docs/ARCHITECTURE.md's `crate-graph` block lists.
+fn documented_edges() -> std::collections::BTreeSet<Edge> {
+    let doc = fs::read_to_string(workspace_root().join("docs/ARCHITECTURE.md")).unwrap();
+    let block = doc
+        .split("```text crate-graph\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("docs/ARCHITECTURE.md has a ```text crate-graph block");
+    block
+        .lines()
+        .filter_map(|line| line.split_once(" -> "))
+        .map(|(from, to)| {
+            let (to, dev) = match to.strip_suffix(" (dev)") {
+                Some(to) => (to, true),
+                None => (to, false),
+            };
+            (from.trim().to_owned(), to.trim().to_owned(), dev)
+        })
+        .collect()
+}
+
+#[test]
+fn the_crate_graph_is_the_documented_one() {
+    let actual = manifest_edges();
+    let documented = documented_edges();
+    assert!(actual.len() > 10, "found only {} edges", actual.len());
+    let undocumented: Vec<_> = actual.difference(&documented).collect();
+    let gone: Vec<_> = documented.difference(&actual).collect();
+    assert!(
+        undocumented.is_empty() && gone.is_empty(),
+        "docs/ARCHITECTURE.md's crate graph and the manifests disagree.\n\
+         in the manifests only (document them, or remove the dependency): {undocumented:?}\n\
+         in the document only (remove them from the list): {gone:?}"
+    );
+}
+
+#[test]
+fn libraries_depend_only_on_libraries_below_them() {
+    const ORDER: [&str; 6] = [
+        "st-mmap",
+        "mlx-support",
+        "block-stream",
+        "adapter-codec",
+        "adapter-fuse",
+        "mlx-engine",
+    ];
+    let rank = |name: &str| ORDER.iter().position(|c| *c == name);
+    let mut checked = 0;
+    for (from, to, dev) in manifest_edges() {
+        if let (Some(a), Some(b), false) = (rank(&from), rank(&to), dev) {
+            assert!(
+                b < a,
+                "{from} depends on {to}, which comes after it in the layering"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 6, "checked only {checked} library edges");
+}

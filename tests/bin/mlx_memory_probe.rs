@@ -4,8 +4,8 @@
 //! runs it; it exits non-zero, saying why, when a check fails.
 
 use anyhow::{ensure, Result};
-use block_stream::{best_device, use_device};
 use mlx_rs::{memory, Array};
+use mlx_support::{best_device, use_device};
 
 fn main() -> Result<()> {
     use_device(best_device())?;

@@ -338,7 +338,7 @@ fn examples() -> Result<()> {
     let fixture = std::env::var_os("MLX_LOWMEM_SMOLLM2").map(std::path::PathBuf::from);
     let mut runs = vec![
         ("adapter-codec", "roundtrip", vec![]),
-        ("block-stream", "device", vec![]),
+        ("mlx-support", "device", vec![]),
         ("adapter-fuse", "fuse", vec![]),
     ];
     match &fixture {

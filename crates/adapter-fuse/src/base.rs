@@ -39,17 +39,13 @@ fn complete(dir: &Path) -> bool {
         return false;
     }
     let index = dir.join(st_mmap::INDEX_FILE);
-    if let Ok(text) = fs::read_to_string(&index) {
-        let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
-            return false;
-        };
-        let Some(map) = json["weight_map"].as_object() else {
-            return false;
-        };
-        return map
-            .values()
-            .filter_map(|v| v.as_str())
-            .all(|shard| dir.join(shard).is_file());
+    if index.exists() {
+        return st_mmap::ShardIndex::read(&index).is_ok_and(|index| {
+            index
+                .shard_names()
+                .iter()
+                .all(|shard| dir.join(shard).is_file())
+        });
     }
     fs::read_dir(dir).is_ok_and(|entries| {
         entries

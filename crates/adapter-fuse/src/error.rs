@@ -59,7 +59,7 @@ pub enum Error {
     InvalidNamespace(String),
     /// A tensor could not be turned into an MLX array or back.
     #[error(transparent)]
-    Tensor(block_stream::Error),
+    Tensor(mlx_support::Error),
     /// An MLX operation failed.
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),

@@ -5,86 +5,18 @@ use std::fs;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
-use block_stream::{array_from_bytes, array_to_bytes};
-use mlx_rs::ops::{dequantize, quantize};
 use mlx_rs::Array;
+use mlx_support::{
+    array_from_bytes, array_to_bytes, fuse_lora, LinearWeights, Lora, LoraLayout, Quantization,
+    QuantizationConfig,
+};
 use st_mmap::{SafetensorsFile, SafetensorsSet, TensorView};
 
 use crate::adapter::LoraAdapter;
 use crate::error::{io, Error, Result};
 
-/// MLX affine quantization of the base, from `config.json`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Quantization {
-    pub group_size: i32,
-    pub bits: i32,
-}
-
-impl Quantization {
-    fn from_json(q: &serde_json::Value) -> Option<Quantization> {
-        Some(Quantization {
-            group_size: q.get("group_size")?.as_i64()? as i32,
-            bits: q.get("bits")?.as_i64()? as i32,
-        })
-    }
-}
-
-/// A base's quantization as mlx_lm writes it in `config.json`: a default
-/// `{group_size, bits}`, and per-module entries (keyed by the module's
-/// path) that override it with their own `{group_size, bits}`, or with
-/// `false` for a module left unquantized.
-#[derive(Debug, Default)]
-pub(crate) struct QuantizationConfig {
-    default: Option<Quantization>,
-    modules: HashMap<String, Option<Quantization>>,
-}
-
-impl QuantizationConfig {
-    fn from_config(config: &serde_json::Value, path: &Path) -> Result<QuantizationConfig> {
-        let Some(q) = config.get("quantization") else {
-            return Ok(QuantizationConfig::default());
-        };
-        let bad = |message: String| Error::Json {
-            path: path.to_path_buf(),
-            message,
-        };
-        match q.get("mode").and_then(|m| m.as_str()) {
-            None | Some("affine") => {}
-            Some(mode) => {
-                return Err(bad(format!(
-                    "quantization mode {mode:?} is not supported; only \"affine\" is"
-                )))
-            }
-        }
-        let mut modules = HashMap::new();
-        for (key, value) in q.as_object().into_iter().flatten() {
-            match value {
-                serde_json::Value::Bool(false) => {
-                    modules.insert(key.clone(), None);
-                }
-                serde_json::Value::Object(_) => {
-                    let own = Quantization::from_json(value).ok_or_else(|| {
-                        bad(format!("quantization of {key:?} needs group_size and bits"))
-                    })?;
-                    modules.insert(key.clone(), Some(own));
-                }
-                _ => {}
-            }
-        }
-        Ok(QuantizationConfig {
-            default: Quantization::from_json(q),
-            modules,
-        })
-    }
-
-    /// How `module`'s weight is quantized, if it is.
-    fn of(&self, module: &str) -> Option<Quantization> {
-        self.modules.get(module).copied().unwrap_or(self.default)
-    }
-}
-
 fn array(view: &TensorView<'_>) -> Result<Array> {
-    array_from_bytes(view.name, view.dtype, view.shape, view.data).map_err(block_err)
+    array_from_bytes(view.name, view.dtype, view.shape, view.data).map_err(support_err)
 }
 
 /// An array of a base tensor, read with positioned reads instead of through
@@ -93,22 +25,18 @@ fn read_array(base: &SafetensorsSet, view: &TensorView<'_>) -> Result<Array> {
     let file = base
         .mapped_file_of(view.name)
         .expect("the view came from the set");
-    let info = file.header().tensor(view.name).expect("indexed");
-    let offset = (file.header().data_start() + info.data_offsets.0) as u64;
-    let mut bytes = vec![0u8; info.byte_len()];
-    let source = fs::File::open(file.path()).map_err(io(file.path()))?;
-    read_exact_at(&source, &mut bytes, offset).map_err(io(file.path()))?;
-    array_from_bytes(view.name, view.dtype, view.shape, &bytes).map_err(block_err)
+    let bytes = file.read_tensor(view.name)?.expect("indexed");
+    array_from_bytes(view.name, view.dtype, view.shape, &bytes).map_err(support_err)
 }
 
 /// What fusing one module produces: new bytes for some of its tensors.
 type Fused = HashMap<String, Vec<u8>>;
 
 /// `W + ((scale · Bᵀ) @ Aᵀ).astype(W's dtype)`, in mlx_lm's order of
-/// operations and dtypes (`LoRALinear.fuse` in mlx_lm 0.31): the product is
-/// formed in the adapter's dtype and only the delta is cast. Quantized
+/// operations and dtypes (`LoRALinear.fuse` in mlx_lm 0.31), through the
+/// workspace's one LoRA arithmetic (`mlx_support::fuse_lora`): quantized
 /// weights are dequantized (to the scales' dtype), fused, and requantized
-/// with the same group size and bits.
+/// with the module's own group size and bits.
 fn fuse_module(
     module: &str,
     adapter: &LoraAdapter,
@@ -128,79 +56,61 @@ fn fuse_module(
         })?;
     let scales_key = format!("{module}.scales");
     let biases_key = format!("{module}.biases");
-    let quantized = match (quant, base.tensor(&scales_key)) {
-        (Some(q), Some(scales)) => Some((q, scales, base.tensor(&biases_key))),
-        _ => None,
+    let scales_view = quant.and_then(|_| base.tensor(&scales_key));
+    let stored = LinearWeights {
+        weight: read_array(base, &w_view)?,
+        scales: scales_view.map(|v| read_array(base, &v)).transpose()?,
+        biases: match scales_view {
+            Some(_) => base
+                .tensor(&biases_key)
+                .map(|v| read_array(base, &v))
+                .transpose()?,
+            None => None,
+        },
     };
     let (a, b) = (array(&a_view)?, array(&b_view)?);
-    let weight = read_array(base, &w_view)?;
-    let (dense, dtype) = match &quantized {
-        Some((q, scales, biases)) => {
-            let scales = read_array(base, scales)?;
-            let biases = biases.as_ref().map(|v| read_array(base, v)).transpose()?;
-            let dense = dequantize(&weight, &scales, biases.as_ref(), q.group_size, q.bits)?;
-            let dtype = scales.dtype();
-            (dense, dtype)
-        }
-        None => {
-            let dtype = weight.dtype();
-            (weight, dtype)
-        }
+    let lora = Lora {
+        a: &a,
+        b: &b,
+        scale: adapter.scale,
+        layout: LoraLayout::MlxLm,
     };
-    let (ash, bsh, wsh) = (
-        a.shape().to_vec(),
-        b.shape().to_vec(),
-        dense.shape().to_vec(),
-    );
-    let fits = ash.len() == 2
-        && bsh.len() == 2
-        && wsh.len() == 2
-        && ash[1] == bsh[0]
-        && ash[0] == wsh[1]
-        && bsh[1] == wsh[0];
-    if !fits {
-        return Err(Error::ShapeMismatch {
+    let fused = fuse_lora(&stored, quant, lora).map_err(|e| match e {
+        mlx_support::Error::LoraShape { a, b, weight, .. } => Error::ShapeMismatch {
             key: a_key.clone(),
-            weight: weight_key,
-            a: ash,
-            b: bsh,
-            base: wsh,
-        });
-    }
-    // A Python float times an array takes the array's dtype.
-    let scale = Array::from_f32(adapter.scale).as_dtype(b.dtype())?;
-    let delta = b.t().multiply(&scale)?.matmul(a.t())?.as_dtype(dtype)?;
-    let fused = dense.add(&delta)?;
+            weight: weight_key.clone(),
+            a,
+            b,
+            base: weight,
+        },
+        other => support_err(other),
+    })?;
     // A NaN in the adapter, or a product that overflows the weight's dtype,
     // would be written silently and make every answer of the model empty.
-    let finite = fused.is_finite()?.all(None)?;
-    finite.eval()?;
-    if !finite.item_exact::<bool>() {
+    if !fused.is_finite().map_err(support_err)? {
         return Err(Error::NotFinite {
             module: module.to_owned(),
             weight: weight_key,
         });
     }
     let mut out = Fused::new();
-    match quantized {
-        Some((q, _, biases)) => {
-            let (qw, qs, qb) = quantize(&fused, q.group_size, q.bits)?;
-            out.insert(weight_key, array_to_bytes(&qw).map_err(block_err)?);
-            out.insert(scales_key, array_to_bytes(&qs).map_err(block_err)?);
-            if biases.is_some() {
-                out.insert(biases_key, array_to_bytes(&qb).map_err(block_err)?);
-            }
-        }
-        None => {
-            out.insert(weight_key, array_to_bytes(&fused).map_err(block_err)?);
-        }
+    out.insert(weight_key, bytes(&fused.weight)?);
+    if let Some(scales) = &fused.scales {
+        out.insert(scales_key, bytes(scales)?);
+    }
+    if let Some(biases) = &fused.biases {
+        out.insert(biases_key, bytes(biases)?);
     }
     Ok(out)
 }
 
-fn block_err(e: block_stream::Error) -> Error {
+fn bytes(array: &Array) -> Result<Vec<u8>> {
+    array_to_bytes(array).map_err(support_err)
+}
+
+fn support_err(e: mlx_support::Error) -> Error {
     match e {
-        block_stream::Error::Mlx(e) => Error::Mlx(e),
+        mlx_support::Error::Mlx(e) => Error::Mlx(e),
         other => Error::Tensor(other),
     }
 }
@@ -324,25 +234,6 @@ fn write_pieces(
     Ok(())
 }
 
-#[cfg(unix)]
-fn read_exact_at(file: &fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
-}
-
-#[cfg(windows)]
-fn read_exact_at(file: &fs::File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
-    while !buf.is_empty() {
-        match std::os::windows::fs::FileExt::seek_read(file, buf, offset)? {
-            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            n => {
-                buf = &mut buf[n..];
-                offset += n as u64;
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Fuses `adapter` into the model in `base_dir`, writing a complete model
 /// folder to `out`. `progress(done, total)` counts modules.
 pub(crate) fn fuse_model(
@@ -358,7 +249,10 @@ pub(crate) fn fuse_model(
             path: config_path.clone(),
             message: e.to_string(),
         })?;
-    let quant = QuantizationConfig::from_config(&config, &config_path)?;
+    let quant = QuantizationConfig::from_model_config(&config).map_err(|e| Error::Json {
+        path: config_path.clone(),
+        message: e.to_string(),
+    })?;
     let base = SafetensorsSet::open_dir(base_dir)?;
 
     // Which module each base tensor belongs to, for the tensors fusing touches.
@@ -413,14 +307,7 @@ pub(crate) fn fuse_model(
         });
     }
 
-    let index =
-        serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": weight_map});
-    let index_path = out.join(st_mmap::INDEX_FILE);
-    fs::write(
-        &index_path,
-        serde_json::to_vec_pretty(&index).expect("json"),
-    )
-    .map_err(io(&index_path))?;
+    st_mmap::ShardIndex::new(weight_map, total_size).write(&out.join(st_mmap::INDEX_FILE))?;
     if let Some(q) = config.get("quantization").cloned() {
         config["quantization_config"] = q;
     }

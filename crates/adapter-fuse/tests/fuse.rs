@@ -157,7 +157,7 @@ fn quantized_case(bits: i32) {
     let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
     let load = |key: &str| {
         let v = fused.tensor(key).unwrap();
-        block_stream::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap()
+        mlx_support::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap()
     };
     let (fw, fs, fb) = (
         load(&format!("{Q}.weight")),
@@ -270,7 +270,7 @@ fn per_module_quantization_overrides_are_honoured() {
     let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
     let load = |key: String| {
         let v = fused.tensor(&key).unwrap();
-        block_stream::array_from_bytes(&key, v.dtype, v.shape, v.data).unwrap()
+        mlx_support::array_from_bytes(&key, v.dtype, v.shape, v.data).unwrap()
     };
     let dense = |key: String| -> Vec<f32> {
         let w = arrays.iter().find(|(k, _)| *k == key).unwrap().1.clone();

@@ -46,12 +46,9 @@ pub enum Error {
         expected: mlx_rs::Dtype,
         actual: mlx_rs::Dtype,
     },
-    /// A tensor's dtype has no MLX equivalent.
-    #[error("{key:?} has dtype {dtype}, which MLX cannot hold")]
-    UnsupportedDtype { key: String, dtype: st_mmap::Dtype },
-    /// A dimension does not fit MLX's 32-bit shapes.
-    #[error("{key:?} has shape {shape:?}, too large for MLX")]
-    ShapeTooLarge { key: String, shape: Vec<usize> },
+    /// A tensor cannot become an MLX array (dtype, shape, byte length).
+    #[error(transparent)]
+    Tensor(#[from] mlx_support::Error),
     /// LoRA sources were given to `bind` but the streamer has no fuser.
     #[error("LoRA sources were passed to bind, but this streamer has no LoRA fuser")]
     NoFuser,

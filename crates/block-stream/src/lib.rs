@@ -9,22 +9,45 @@
 //! per-block LoRA pairs, and a [`LoraFuser`] ([`DenseLoraFuser`],
 //! [`QuantizedLoraFuser`] or any closure) applies them while binding.
 //!
-//! This is the lowest crate that uses MLX, so it also holds the workspace's
-//! device policy: [`best_device`] picks the Metal GPU where MLX has one and the
-//! CPU otherwise, and [`use_device`] refuses an unavailable device with a typed
-//! error instead of letting MLX abort.
-//!
 //! ```
-//! use block_stream::{best_device, use_device, ComputeDevice};
+//! use block_stream::BlockStreamer;
+//! use mlx_rs::{macros::ModuleParameters, module::Module, nn::Linear, Array};
 //!
-//! let device = best_device();
-//! let chosen = use_device(device).expect("the best device is available");
-//! assert_eq!(chosen, device);
-//! if !cfg!(target_os = "macos") {
-//!     // MLX's Linux CPU backend has no GPU: asking for one is an error.
-//!     assert!(use_device(ComputeDevice::Gpu).is_err());
+//! #[derive(Debug, ModuleParameters)]
+//! struct Block {
+//!     #[param]
+//!     proj: Linear,
 //! }
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let path = dir.path().join("model.safetensors");
+//! # let weights: Vec<(String, Array)> = (0..3)
+//! #     .flat_map(|i| [
+//! #         (format!("blocks.{i}.proj.weight"), Array::full::<f32>(&[4, 4], Array::from_f32(i as f32)).unwrap()),
+//! #         (format!("blocks.{i}.proj.bias"), Array::zeros::<f32>(&[4]).unwrap()),
+//! #     ])
+//! #     .collect();
+//! # Array::save_safetensors(weights.iter().map(|(k, v)| (k.as_str(), v)), None, &path)?;
+//! // One module; each block's weights are bound into it in turn.
+//! let mut block = Block { proj: Linear::new(4, 4)? };
+//! let mut streamer = BlockStreamer::new([&path], "blocks.")?;
+//! let mut x = Array::ones::<f32>(&[1, 4])?;
+//! let mut previous = None;
+//! for i in streamer.blocks() {
+//!     streamer.bind(&mut block, i, previous, &[])?; // block i in, block i-1 out
+//!     x = block.proj.forward(&x)?;
+//!     x.eval()?;
+//!     previous = Some(i);
+//! }
+//! // Block 0 zeroes x; blocks 1 and 2 keep it at zero.
+//! assert_eq!(x.as_slice::<f32>(), &[0.0; 4]);
+//! # Ok(())
+//! # }
 //! ```
+//!
+//! The device policy, the bytes ↔ arrays conversions and the LoRA
+//! arithmetic the fusers use live in `mlx-support`.
 //!
 //! # Errors
 //!
@@ -33,21 +56,13 @@
 //! bind and leaves the module unchanged; LoRA sources without a fuser are an
 //! error, not silently ignored.
 
-mod bytes;
-mod device;
 mod error;
 mod lora;
 mod mapped;
-mod memory;
 mod streamer;
 
-pub use bytes::{array_from_bytes, array_to_bytes};
-pub use device::{
-    best_device, current_device, is_available, mlx_version, use_device, ComputeDevice, DeviceError,
-};
 pub use error::{Error, Result};
 pub use lora::{BlockLoraSource, DenseLoraFuser, LoraFuser, LoraPair, QuantizedLoraFuser};
-pub use memory::{retain_freed_memory, ProcessMemory};
 pub use streamer::BlockStreamer;
 
 /// Compiles the README's example with the doc-tests, so that it stays true.

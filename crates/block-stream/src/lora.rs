@@ -5,8 +5,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use mlx_rs::ops::{dequantize, quantize};
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Array;
+use mlx_support::{fuse_lora, LinearWeights, Lora, LoraLayout, Quantization};
 use st_mmap::{BlockPrefix, SafetensorsFile, TensorInfo};
 
 use crate::error::{Error, Result};
@@ -188,23 +188,29 @@ where
     }
 }
 
-/// `strength · B @ A` in f32, checked against the adapted weight's (out, in).
-fn delta(block: usize, pair: &LoraPair, strength: f32, out_in: (i32, i32)) -> Result<Array> {
-    let (a, b) = (pair.a.shape(), pair.b.shape());
-    let fits = a.len() == 2 && b.len() == 2 && b[1] == a[0] && b[0] == out_in.0 && a[1] == out_in.1;
-    if !fits {
-        return Err(Error::Lora {
+/// Fuses `pair` (PEFT layout) into `weights` with the workspace's one LoRA
+/// arithmetic, naming the block and parameter when it does not fit.
+fn fuse_pair(
+    block: usize,
+    pair: &LoraPair,
+    strength: f32,
+    weights: &LinearWeights,
+    quant: Option<Quantization>,
+) -> Result<LinearWeights> {
+    let lora = Lora {
+        a: &pair.a,
+        b: &pair.b,
+        scale: strength,
+        layout: LoraLayout::Peft,
+    };
+    fuse_lora(weights, quant, lora).map_err(|e| match e {
+        mlx_support::Error::Mlx(e) => Error::Mlx(e),
+        other => Error::Lora {
             block,
             param: pair.param.clone(),
-            message: format!(
-                "A {a:?} (rank, in) and B {b:?} (out, rank) do not fit a weight of (out, in) = {:?}",
-                [out_in.0, out_in.1]
-            ),
-        });
-    }
-    let b = pair.b.as_dtype(Dtype::Float32)?;
-    let a = pair.a.as_dtype(Dtype::Float32)?;
-    Ok(b.matmul(&a)?.multiply(Array::from_f32(strength))?)
+            message: other.to_string(),
+        },
+    })
 }
 
 fn take(
@@ -241,17 +247,14 @@ impl LoraFuser for DenseLoraFuser {
             for pair in source.pairs(block)? {
                 let name = format!("{}.weight", pair.param);
                 let w = take(&mut weights, &name, block, &pair.param)?;
-                let shape = w.shape();
-                if shape.len() != 2 {
-                    return Err(Error::Lora {
-                        block,
-                        param: pair.param.clone(),
-                        message: format!("{name:?} has shape {shape:?}, not a matrix"),
-                    });
-                }
-                let d = delta(block, &pair, source.strength(), (shape[0], shape[1]))?;
-                let fused = w.as_dtype(Dtype::Float32)?.add(&d)?.as_dtype(w.dtype())?;
-                weights.push((name, fused));
+                let fused = fuse_pair(
+                    block,
+                    &pair,
+                    source.strength(),
+                    &LinearWeights::dense(w),
+                    None,
+                )?;
+                weights.push((name, fused.weight));
             }
         }
         Ok(weights)
@@ -279,18 +282,22 @@ impl LoraFuser for QuantizedLoraFuser {
         for source in sources {
             for pair in source.pairs(block)? {
                 let names = ["weight", "scales", "biases"].map(|p| format!("{}.{p}", pair.param));
-                let w = take(&mut weights, &names[0], block, &pair.param)?;
-                let scales = take(&mut weights, &names[1], block, &pair.param)?;
-                let biases = take(&mut weights, &names[2], block, &pair.param)?;
-                let dense = dequantize(&w, &scales, &biases, self.group_size, self.bits)?;
-                let shape = dense.shape().to_vec();
-                let d = delta(block, &pair, source.strength(), (shape[0], shape[1]))?;
-                let fused = dense
-                    .as_dtype(Dtype::Float32)?
-                    .add(&d)?
-                    .as_dtype(scales.dtype())?;
-                let (qw, qs, qb) = quantize(&fused, self.group_size, self.bits)?;
-                weights.extend(names.into_iter().zip([qw, qs, qb]));
+                let stored = LinearWeights {
+                    weight: take(&mut weights, &names[0], block, &pair.param)?,
+                    scales: Some(take(&mut weights, &names[1], block, &pair.param)?),
+                    biases: Some(take(&mut weights, &names[2], block, &pair.param)?),
+                };
+                let q = Quantization {
+                    group_size: self.group_size,
+                    bits: self.bits,
+                };
+                let fused = fuse_pair(block, &pair, source.strength(), &stored, Some(q))?;
+                let parts = [
+                    fused.weight,
+                    fused.scales.expect("quantized"),
+                    fused.biases.expect("kept"),
+                ];
+                weights.extend(names.into_iter().zip(parts));
             }
         }
         Ok(weights)

@@ -9,6 +9,8 @@ use memmap2::{MmapMut, MmapOptions};
 use mlx_rs::Array;
 use st_mmap::Dtype;
 
+use mlx_support::{checked_dtype, checked_shape};
+
 use crate::error::{Error, Result};
 
 /// A private, copy-on-write mapping of one byte range of a weights file.
@@ -61,47 +63,6 @@ impl MappedRange {
             offset: start,
         }))
     }
-}
-
-/// The mlx-rs dtype a safetensors dtype becomes.
-pub(crate) fn mlx_dtype_of(dtype: Dtype) -> Option<mlx_rs::Dtype> {
-    use mlx_rs::Dtype as M;
-    Some(match dtype {
-        Dtype::BOOL => M::Bool,
-        Dtype::U8 => M::Uint8,
-        Dtype::I8 => M::Int8,
-        Dtype::U16 => M::Uint16,
-        Dtype::I16 => M::Int16,
-        Dtype::F16 => M::Float16,
-        Dtype::BF16 => M::Bfloat16,
-        Dtype::U32 => M::Uint32,
-        Dtype::I32 => M::Int32,
-        Dtype::F32 => M::Float32,
-        Dtype::U64 => M::Uint64,
-        Dtype::I64 => M::Int64,
-        Dtype::F64 => M::Float64,
-        Dtype::F8_E4M3 | Dtype::F8_E5M2 => return None,
-    })
-}
-
-/// `dtype` as an MLX dtype, or an error naming `key`.
-pub(crate) fn checked_dtype(key: &str, dtype: Dtype) -> Result<mlx_rs::Dtype> {
-    mlx_dtype_of(dtype).ok_or_else(|| Error::UnsupportedDtype {
-        key: key.to_owned(),
-        dtype,
-    })
-}
-
-/// `shape` as MLX's 32-bit dimensions, or an error naming `key`.
-pub(crate) fn checked_shape(key: &str, shape: &[usize]) -> Result<Vec<i32>> {
-    shape
-        .iter()
-        .map(|&d| i32::try_from(d))
-        .collect::<Result<_, _>>()
-        .map_err(|_| Error::ShapeTooLarge {
-            key: key.to_owned(),
-            shape: shape.to_vec(),
-        })
 }
 
 /// Called by MLX when the last array over a range is freed.

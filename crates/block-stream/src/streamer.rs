@@ -10,7 +10,9 @@ use st_mmap::{BlockIndex, BlockPrefix, SafetensorsSet};
 
 use crate::error::{Error, Result};
 use crate::lora::{BlockLoraSource, LoraFuser};
-use crate::mapped::{array_over, checked_dtype, checked_shape, MappedRange, TensorAt};
+use mlx_support::{checked_dtype, checked_shape};
+
+use crate::mapped::{array_over, MappedRange, TensorAt};
 
 /// Streams transformer blocks from memory-mapped safetensors into one shared
 /// block module.
@@ -376,22 +378,11 @@ fn read_ahead(file: &File, start: u64, end: u64) {
     let mut at = start;
     while at < end {
         let want = buf.len().min((end - at) as usize);
-        match read_at(file, &mut buf[..want], at) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => at += n as u64,
+        if st_mmap::read_exact_at(file, &mut buf[..want], at).is_err() {
+            break;
         }
+        at += want as u64;
     }
-}
-
-/// Reads at an absolute offset without moving a shared cursor.
-#[cfg(unix)]
-fn read_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-    std::os::unix::fs::FileExt::read_at(file, buf, offset)
-}
-
-#[cfg(windows)]
-fn read_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-    std::os::windows::fs::FileExt::seek_read(file, buf, offset)
 }
 
 /// Checks that the module's parameters and `expected` (name, shape, dtype)

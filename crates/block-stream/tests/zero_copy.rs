@@ -10,10 +10,11 @@
 use std::io::Write;
 use std::path::Path;
 
-use block_stream::{BlockStreamer, ProcessMemory};
+use block_stream::BlockStreamer;
 use mlx_rs::macros::ModuleParameters;
 use mlx_rs::module::Param;
 use mlx_rs::Array;
+use mlx_support::ProcessMemory;
 
 const MIB: u64 = 1 << 20;
 const ELEMENTS: usize = 16 << 20; // 64 MiB of f32 per block

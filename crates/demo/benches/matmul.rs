@@ -6,7 +6,7 @@
 use mlx_rs::Dtype;
 
 fn main() -> anyhow::Result<()> {
-    block_stream::use_device(block_stream::best_device())?;
+    mlx_support::use_device(mlx_support::best_device())?;
     println!("BLAS: {}", mlx_sys::BLAS);
     for n in [256, 1024] {
         for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {

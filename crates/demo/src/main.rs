@@ -15,11 +15,11 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use block_stream::{best_device, use_device};
 use clap::{Parser, Subcommand};
 use demo::streaming::{child_main, measure, Mode};
 use demo::synthetic::{generate, Spec};
 use mlx_rs::Dtype;
+use mlx_support::{best_device, use_device};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -42,12 +42,12 @@ fn main() -> Result<()> {
     // keeping freed memory spares the kernel faulting it in again (see its
     // docs). After the streaming children are dispatched: their memory
     // figures are measured with the allocator's defaults.
-    block_stream::retain_freed_memory();
+    mlx_support::retain_freed_memory();
     let device = use_device(best_device())?;
     println!("== MLX on this machine");
     println!(
         "MLX {} (mlx-rs 0.33.0, mlx-c 0.7.0)",
-        block_stream::mlx_version()
+        mlx_support::mlx_version()
     );
     println!("device: {device}");
     println!("BLAS: {} (libmlx from {})", mlx_sys::BLAS, mlx_sys::LIB_DIR);
@@ -62,7 +62,7 @@ fn main() -> Result<()> {
         );
     }
     let mut summary =
-        serde_json::json!({"device": device.to_string(), "mlx": block_stream::mlx_version()});
+        serde_json::json!({"device": device.to_string(), "mlx": mlx_support::mlx_version()});
     match &options.model_dir {
         Some(model_dir) => end_to_end(model_dir, &options, &mut summary)?,
         None => println!("\n(no --model-dir: skipping the adapter, fuse and classify steps)"),

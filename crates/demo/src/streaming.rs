@@ -7,8 +7,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use block_stream::{BlockStreamer, ProcessMemory};
+use block_stream::BlockStreamer;
 use mlx_rs::ops::indexing::IndexOp;
+use mlx_support::ProcessMemory;
 
 use crate::synthetic::{Block, Spec, PREFIX};
 
@@ -133,7 +134,7 @@ pub fn child_main(args: &[String]) -> Result<bool> {
         mlp: mlp.parse()?,
         vocab: vocab.parse()?,
     };
-    block_stream::use_device(block_stream::best_device())?;
+    mlx_support::use_device(mlx_support::best_device())?;
     let r = pass(Path::new(path), spec, Mode::parse(mode)?, rows.parse()?)?;
     println!(
         "{} {} {} {} {}",

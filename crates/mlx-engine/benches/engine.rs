@@ -55,7 +55,7 @@ fn child(dir: &Path, n: usize, batch: usize, max_tokens: usize) {
     // What an application running the engine on glibc should do (see its
     // docs). mlx_lm's runs keep the allocator's defaults: it was measured
     // no faster with this setting (docs/mlx-engine.md).
-    block_stream::retain_freed_memory();
+    mlx_support::retain_freed_memory();
     let convs = conversations(n);
     let engine = MlxEngine::new(
         EngineConfig::new(dir)

@@ -4,6 +4,8 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use mlx_support::QuantizationConfig;
+
 use crate::error::{Error, Result};
 
 /// The `model_type`s this crate implements.
@@ -30,8 +32,10 @@ pub struct ModelConfig {
     pub rope_traditional: bool,
     #[serde(default)]
     pub tie_word_embeddings: bool,
-    /// Affine quantization of the linear layers, when present.
-    pub quantization: Option<Quantization>,
+    /// Affine quantization of the layers, with mlx_lm's per-module
+    /// overrides (mixed bits, modules left unquantized).
+    #[serde(default, deserialize_with = "quantization_config")]
+    pub quantization: QuantizationConfig,
     /// The context length the model was trained for, when the config says.
     #[serde(default)]
     pub max_position_embeddings: Option<usize>,
@@ -41,11 +45,16 @@ fn default_rope_theta() -> f32 {
     10000.0
 }
 
-/// MLX affine quantization parameters.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-pub struct Quantization {
-    pub group_size: i32,
-    pub bits: i32,
+/// `config.json`'s `quantization` entry, read by the workspace's one
+/// quantization-config type.
+fn quantization_config<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<QuantizationConfig, D::Error> {
+    let value = serde_json::Value::deserialize(deserializer)?;
+    if value.is_null() {
+        return Ok(QuantizationConfig::none());
+    }
+    QuantizationConfig::from_entry(&value).map_err(serde::de::Error::custom)
 }
 
 impl ModelConfig {

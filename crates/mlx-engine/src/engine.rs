@@ -432,7 +432,7 @@ impl MlxEngine {
     /// The process's peak resident set size in bytes, from the OS (`VmHWM`
     /// on Linux, `ru_maxrss` elsewhere, whose unit differs by platform).
     pub fn peak_memory_bytes(&self) -> Option<u64> {
-        block_stream::ProcessMemory::read().peak_rss
+        mlx_support::ProcessMemory::read().peak_rss
     }
 
     /// MLX's own peak memory (its allocator's high-water mark), in bytes.
@@ -473,8 +473,8 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 fn load(config: EngineConfig) -> Result<Worker, EngineError> {
     let _span = tracing::info_span!("load", model_dir = %config.model_dir.display()).entered();
     let err = |e: crate::Error| EngineError::Load(Arc::new(e));
-    let device = block_stream::best_device();
-    block_stream::use_device(device).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+    let device = mlx_support::best_device();
+    mlx_support::use_device(device).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
     let quantized = config
         .quantized
         .unwrap_or_else(|| QuantizedWeights::for_device(device));

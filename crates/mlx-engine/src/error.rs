@@ -37,7 +37,7 @@ pub enum Error {
     Safetensors(#[from] st_mmap::Error),
     /// A tensor could not become an MLX array.
     #[error(transparent)]
-    Tensor(#[from] block_stream::Error),
+    Tensor(#[from] mlx_support::Error),
     /// A GGUF file is corrupt, or holds what the importer cannot convert.
     #[error("{path}: GGUF: {message}")]
     Gguf { path: PathBuf, message: String },

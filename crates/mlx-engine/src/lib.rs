@@ -54,7 +54,7 @@
 //!
 //! # Performance
 //!
-//! On Linux with glibc, calling [`block_stream::retain_freed_memory`] once
+//! On Linux with glibc, calling [`mlx_support::retain_freed_memory`] once
 //! at start-up spares MLX's CPU work re-faulting memory it frees (about a
 //! fifth faster classification in the project's benchmark, same peak RSS).
 //! It changes the whole process's allocator, so the engine leaves that
@@ -73,7 +73,7 @@ mod model;
 mod tokenizer;
 
 pub use cache::{padded_causal_mask, KvCache};
-pub use config::{ModelConfig, Quantization, SUPPORTED};
+pub use config::{ModelConfig, SUPPORTED};
 pub use engine::{
     EngineConfig, EngineError, LogitsProcessor, LogitsProcessorFactory, MlxEngine, Reply,
     SpecialTokens, Worker, DEFAULT_MAX_PROMPT_TOKENS,
@@ -81,6 +81,7 @@ pub use engine::{
 pub use error::{Error, Result};
 pub use generate::GenerationStats;
 pub use gguf::{import_gguf, ImportWeights};
+pub use mlx_support::{Quantization, QuantizationConfig};
 pub use model::{Model, QuantizedWeights};
 pub use tokenizer::{Message, Tokenizer};
 

@@ -2,16 +2,18 @@
 
 use std::path::Path;
 
-use block_stream::array_from_bytes;
 use mlx_rs::fast;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::{Array, Dtype};
+use mlx_support::array_from_bytes;
 use st_mmap::SafetensorsSet;
 
 use crate::attention::attention;
 use crate::cache::{padded_causal_mask, KvCache};
-use crate::config::{ModelConfig, Quantization};
+use mlx_support::{Quantization, QuantizationConfig};
+
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::fused::silu_mul;
 
@@ -33,17 +35,17 @@ pub enum QuantizedWeights {
 
 impl QuantizedWeights {
     /// The choice for the device MLX will use.
-    pub fn for_device(device: block_stream::ComputeDevice) -> QuantizedWeights {
+    pub fn for_device(device: mlx_support::ComputeDevice) -> QuantizedWeights {
         match device {
-            block_stream::ComputeDevice::Gpu => QuantizedWeights::Keep,
-            block_stream::ComputeDevice::Cpu => QuantizedWeights::DequantizeOnUse,
+            mlx_support::ComputeDevice::Gpu => QuantizedWeights::Keep,
+            mlx_support::ComputeDevice::Cpu => QuantizedWeights::DequantizeOnUse,
         }
     }
 }
 
 struct Weights<'a> {
     set: &'a SafetensorsSet,
-    quant: Option<Quantization>,
+    quant: &'a QuantizationConfig,
     mode: QuantizedWeights,
 }
 
@@ -79,8 +81,10 @@ impl Weights<'_> {
                 packed: None,
             });
         };
-        let q = self.quant.ok_or_else(|| Error::MissingWeight {
-            key: format!("{prefix}: quantized weights but no `quantization` in config.json"),
+        // The module's own entry (mixed-precision checkpoints), else the
+        // default.
+        let q = self.quant.of(prefix).ok_or_else(|| Error::MissingWeight {
+            key: format!("{prefix}: quantized weights but config.json's `quantization` does not cover this module"),
         })?;
         let packed = Packed {
             scales,
@@ -213,7 +217,7 @@ impl Model {
         let set = SafetensorsSet::open_dir(dir)?;
         let w = Weights {
             set: &set,
-            quant: config.quantization,
+            quant: &config.quantization,
             mode: quantized,
         };
         let embed_t = w.embedding_t("model.embed_tokens")?;

@@ -228,7 +228,7 @@ fn quantized_weights_kept_or_dequantized_agree() {
     let mut out = Vec::new();
     for key in set.keys() {
         let v = set.tensor(key).unwrap();
-        let a = block_stream::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap();
+        let a = mlx_support::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap();
         if key.ends_with("proj.weight") {
             let (w, s, b) = mlx_rs::ops::quantize(&a, 32, 4).unwrap();
             let base = key.trim_end_matches(".weight");
@@ -438,4 +438,85 @@ fn stacked_caches_decode_like_each_row_alone() {
             );
         }
     }
+}
+
+/// A mixed-precision checkpoint as mlx_lm writes one (the "UD" models): a
+/// 4-bit group-32 default, one module at 8 bits in groups of 64 by its own
+/// `quantization` entry, one left in float by `false`, and a quantized
+/// embedding table. Our logits equal mlx_lm's on it; before the engine read
+/// per-module entries it loaded such a model with the default everywhere.
+#[test]
+fn mixed_precision_checkpoints_match_mlx_lm() {
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    if !Command::new(&python)
+        .args(["-c", "import mlx_lm"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        eprintln!(
+            "SKIP mixed_precision_checkpoints_match_mlx_lm: {python} lacks mlx_lm (cargo xtask test provides it)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "llama");
+    let eight = "model.layers.0.self_attn.q_proj";
+    let float = "model.layers.1.mlp.down_proj";
+    let set = st_mmap::SafetensorsSet::open_dir(dir.path()).unwrap();
+    let mut out = Vec::new();
+    for key in set.keys() {
+        let v = set.tensor(key).unwrap();
+        let a = mlx_support::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap();
+        let base = key.trim_end_matches(".weight");
+        let quantized = key.ends_with("proj.weight") || key == "model.embed_tokens.weight";
+        if quantized && base != float {
+            let (group, bits) = if base == eight { (64, 8) } else { (32, 4) };
+            let (w, s, b) = mlx_rs::ops::quantize(&a, group, bits).unwrap();
+            out.extend([
+                (key.to_owned(), w),
+                (format!("{base}.scales"), s),
+                (format!("{base}.biases"), b),
+            ]);
+        } else {
+            out.push((key.to_owned(), a));
+        }
+    }
+    drop(set);
+    let qdir = tempfile::tempdir().unwrap();
+    Array::save_safetensors(
+        out.iter().map(|(k, v)| (k.as_str(), v)),
+        None,
+        qdir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap()).unwrap();
+    config["quantization"] = serde_json::json!({
+        "group_size": 32, "bits": 4,
+        eight: {"group_size": 64, "bits": 8},
+        float: false,
+    });
+    std::fs::write(qdir.path().join("config.json"), config.to_string()).unwrap();
+
+    let model = Model::load(qdir.path(), QuantizedWeights::DequantizeOnUse).unwrap();
+    let ours = last_logits(
+        &model
+            .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
+            .unwrap(),
+        0,
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_logits.py");
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg(qdir.path())
+        .args(PROMPT.iter().map(|t| t.to_string()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: Vec<f32> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_close(&ours, &theirs, 1e-4, "mixed precision vs mlx_lm");
 }

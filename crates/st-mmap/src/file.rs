@@ -26,6 +26,8 @@ pub struct TensorView<'a> {
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
+    /// The open file, for positioned reads beside the map.
+    file: File,
     map: Mmap,
     header: Header,
 }
@@ -61,7 +63,12 @@ impl SafetensorsFile {
             path: path.clone(),
             source,
         })?;
-        Ok(SafetensorsFile { path, map, header })
+        Ok(SafetensorsFile {
+            path,
+            file,
+            map,
+            header,
+        })
     }
 
     /// The file's path.
@@ -123,6 +130,26 @@ impl SafetensorsFile {
         }
     }
 
+    /// A copy of tensor `name`'s bytes, read with positioned reads rather
+    /// than through the map: the pages go through the page cache but never
+    /// into this process's resident set (what a caller that copies every
+    /// tensor once, such as a fuse writing a new model, wants). `None` for
+    /// an unknown name.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file when the read fails (e.g. the file was
+    /// truncated, which the memory-map contract forbids but a reader can
+    /// still meet).
+    pub fn read_tensor(&self, name: &str) -> Result<Option<Vec<u8>>> {
+        let Some(info) = self.header.tensor(name) else {
+            return Ok(None);
+        };
+        let offset = (self.header.data_start() + info.data_offsets.0) as u64;
+        let mut bytes = vec![0u8; info.byte_len()];
+        read_exact_at(&self.file, &mut bytes, offset).map_err(io_error(&self.path))?;
+        Ok(Some(bytes))
+    }
+
     /// Views of every tensor, in file order.
     pub fn tensors(&self) -> impl Iterator<Item = TensorView<'_>> {
         self.header.tensors().iter().map(|info| self.view(info))
@@ -138,5 +165,28 @@ impl SafetensorsFile {
             // In range: parse_header checked every offset against the file length.
             data: &self.map[start..end],
         }
+    }
+}
+
+/// Fills `buf` from `file` at `offset` without moving a shared cursor, so
+/// that threads may read one open file at once.
+pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+    }
+    #[cfg(windows)]
+    {
+        let (mut buf, mut offset) = (buf, offset);
+        while !buf.is_empty() {
+            match std::os::windows::fs::FileExt::seek_read(file, buf, offset)? {
+                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                n => {
+                    buf = &mut buf[n..];
+                    offset += n as u64;
+                }
+            }
+        }
+        Ok(())
     }
 }

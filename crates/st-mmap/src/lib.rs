@@ -44,16 +44,18 @@ mod dtype;
 mod error;
 mod file;
 mod header;
+mod index;
 mod set;
 
 pub use block::{BlockIndex, BlockPrefix};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::{Error, Result};
-pub use file::{SafetensorsFile, TensorView};
+pub use file::{read_exact_at, SafetensorsFile, TensorView};
 pub use header::{
     json_len, parse_header, parse_header_json, Header, HeaderError, TensorInfo, MAX_HEADER_LEN,
 };
-pub use set::{SafetensorsSet, INDEX_FILE};
+pub use index::{ShardIndex, INDEX_FILE};
+pub use set::SafetensorsSet;
 
 /// Compiles the README's example with the doc-tests, so that it stays true.
 #[cfg(doctest)]

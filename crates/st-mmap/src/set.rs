@@ -1,16 +1,12 @@
 //! Several safetensors files (the shards of one model) seen as one.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
-
 use crate::error::{io_error, Error, Result};
 use crate::file::{SafetensorsFile, TensorView};
-
-/// The file name of a sharded model's index.
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
+use crate::index::{ShardIndex, INDEX_FILE};
 
 /// Several mapped files whose keys are unique across all of them.
 #[derive(Debug)]
@@ -18,11 +14,6 @@ pub struct SafetensorsSet {
     files: Vec<SafetensorsFile>,
     /// Key → position in `files`; sorted for stable iteration.
     keys: BTreeMap<String, usize>,
-}
-
-#[derive(Deserialize)]
-struct IndexFile {
-    weight_map: HashMap<String, String>,
 }
 
 impl SafetensorsSet {
@@ -69,36 +60,14 @@ impl SafetensorsSet {
     }
 
     fn open_indexed(dir: &Path, index_path: &Path) -> Result<Self> {
-        let text = fs::read_to_string(index_path).map_err(io_error(index_path))?;
-        let index: IndexFile = serde_json::from_str(&text).map_err(|e| Error::InvalidIndex {
-            path: index_path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        let mut shard_names: Vec<&String> = index.weight_map.values().collect();
-        shard_names.sort();
-        shard_names.dedup();
-        for name in &shard_names {
-            // The index must name files in the model directory: one plain
-            // component ("." and ".." are components too, but not files).
-            let mut parts = Path::new(name).components();
-            let plain = matches!(
-                (parts.next(), parts.next()),
-                (Some(std::path::Component::Normal(_)), None)
-            );
-            if !plain {
-                return Err(Error::InvalidIndex {
-                    path: index_path.to_path_buf(),
-                    message: format!("shard name {name:?} is not a plain file name"),
-                });
-            }
-        }
-        let set = Self::open_files(shard_names.iter().map(|n| dir.join(n)))?;
+        let index = ShardIndex::read(index_path)?;
+        let set = Self::open_files(index.shard_names().iter().map(|n| dir.join(n)))?;
         let mismatch = |key: &str, problem: String| Error::IndexMismatch {
             index: index_path.to_path_buf(),
             key: key.to_owned(),
             problem,
         };
-        for (key, shard) in &index.weight_map {
+        for (key, shard) in index.weight_map() {
             match set.file_of(key) {
                 None => {
                     return Err(mismatch(
@@ -116,7 +85,7 @@ impl SafetensorsSet {
             }
         }
         for (key, &file) in &set.keys {
-            if !index.weight_map.contains_key(key) {
+            if !index.weight_map().contains_key(key) {
                 let path = set.files[file].path().display().to_string();
                 return Err(mismatch(key, format!("is in {path} but not in the index")));
             }

@@ -174,8 +174,9 @@ fn this_workspace_has_complete_metadata_and_a_changelog() {
         [
             "st-mmap",
             "adapter-codec",
-            "block-stream",
+            "mlx-support",
             "adapter-fuse",
+            "block-stream",
             "mlx-engine"
         ]
         .map(str::to_owned)
