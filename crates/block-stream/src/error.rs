@@ -59,9 +59,6 @@ pub enum Error {
         param: String,
         message: String,
     },
-    /// The streamer or source was closed.
-    #[error("{what} was closed")]
-    Closed { what: &'static str },
     /// An MLX operation failed.
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),

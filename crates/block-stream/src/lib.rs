@@ -33,12 +33,10 @@
 //! let mut block = Block { proj: Linear::new(4, 4)? };
 //! let mut streamer = BlockStreamer::new([&path], "blocks.")?;
 //! let mut x = Array::ones::<f32>(&[1, 4])?;
-//! let mut previous = None;
 //! for i in streamer.blocks() {
-//!     streamer.bind(&mut block, i, previous, &[])?; // block i in, block i-1 out
+//!     streamer.bind(&mut block, i, &[])?; // block i in, block i-1 out
 //!     x = block.proj.forward(&x)?;
 //!     x.eval()?;
-//!     previous = Some(i);
 //! }
 //! // Block 0 zeroes x; blocks 1 and 2 keep it at zero.
 //! assert_eq!(x.as_slice::<f32>(), &[0.0; 4]);

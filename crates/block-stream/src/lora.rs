@@ -1,7 +1,6 @@
 //! Per-block LoRA sources and the fusers that apply them.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -40,7 +39,8 @@ pub struct BlockLoraSource {
     strength: f32,
     /// Block → param → (key of A, key of B), keys as stored in the file.
     pairs: BTreeMap<usize, BTreeMap<String, (String, String)>>,
-    file: Option<(SafetensorsFile, Arc<MappedRange>)>,
+    file: SafetensorsFile,
+    range: Arc<MappedRange>,
 }
 
 impl BlockLoraSource {
@@ -81,18 +81,13 @@ impl BlockLoraSource {
                 pairs.entry(block).or_default().insert(param, (a, b));
             }
         }
-        let file = File::open(&path).map_err(|source| {
-            Error::Safetensors(st_mmap::Error::Io {
-                path: path.clone(),
-                source,
-            })
-        })?;
-        let range = MappedRange::map(&path, &file, 0, st.header().file_len() as u64)?;
+        let range = MappedRange::map(&path, st.file(), 0, st.header().file_len() as u64)?;
         Ok(BlockLoraSource {
             path,
             strength,
             pairs,
-            file: Some((st, range)),
+            file: st,
+            range,
         })
     }
 
@@ -108,14 +103,12 @@ impl BlockLoraSource {
 
     /// Whether at least one complete A/B pair exists for block `idx`.
     pub fn has_block(&self, idx: usize) -> bool {
-        self.file.is_some() && self.pairs.contains_key(&idx)
+        self.pairs.contains_key(&idx)
     }
 
     /// Block `idx`'s pairs, sorted by parameter.
     pub fn pairs(&self, idx: usize) -> Result<Vec<LoraPair>> {
-        let (st, range) = self.file.as_ref().ok_or(Error::Closed {
-            what: "the LoRA source",
-        })?;
+        let (st, range) = (&self.file, &self.range);
         let Some(params) = self.pairs.get(&idx) else {
             return Ok(Vec::new());
         };
@@ -152,11 +145,6 @@ impl BlockLoraSource {
             out.insert(format!("{}{B_SUFFIX}", pair.param), pair.b);
         }
         Ok(out)
-    }
-
-    /// Releases the mapping; the source is unusable afterwards.
-    pub fn close(&mut self) {
-        self.file = None;
     }
 }
 

@@ -30,14 +30,13 @@ use crate::mapped::{array_over, MappedRange, TensorAt};
 /// made from it is alive.
 pub struct BlockStreamer {
     set: SafetensorsSet,
-    files: Vec<File>,
     prefix: BlockPrefix,
     index: BlockIndex,
     fuser: Option<Box<dyn LoraFuser>>,
     prefetch: bool,
     prefetcher: Option<std::thread::JoinHandle<()>>,
     zero_copy: (usize, usize),
-    closed: bool,
+    clear_cache: bool,
 }
 
 impl std::fmt::Debug for BlockStreamer {
@@ -47,7 +46,7 @@ impl std::fmt::Debug for BlockStreamer {
             .field("blocks", &self.index.len())
             .field("fuser", &self.fuser.is_some())
             .field("prefetch", &self.prefetch)
-            .field("closed", &self.closed)
+            .field("clear_cache", &self.clear_cache)
             .finish()
     }
 }
@@ -76,27 +75,15 @@ impl BlockStreamer {
                 paths,
             });
         }
-        let files = paths
-            .iter()
-            .map(|p| {
-                File::open(p).map_err(|source| {
-                    Error::Safetensors(st_mmap::Error::Io {
-                        path: p.clone(),
-                        source,
-                    })
-                })
-            })
-            .collect::<Result<_>>()?;
         Ok(BlockStreamer {
             set,
-            files,
             prefix,
             index,
             fuser: None,
             prefetch: false,
             prefetcher: None,
             zero_copy: (0, 0),
-            closed: false,
+            clear_cache: true,
         })
     }
 
@@ -112,6 +99,16 @@ impl BlockStreamer {
     /// can block the caller while it queues the reads.)
     pub fn with_prefetch(mut self, on: bool) -> BlockStreamer {
         self.prefetch = on;
+        self
+    }
+
+    /// Whether `bind` returns MLX's buffer cache to the OS after replacing a
+    /// block's weights (default on). The replaced block's buffers go to that
+    /// cache when freed; clearing it keeps resident memory near one block,
+    /// while keeping it saves re-allocating buffers of the same sizes. (The
+    /// Python original clears it when `bind` is given `evict_previous`.)
+    pub fn with_cache_clearing(mut self, on: bool) -> BlockStreamer {
+        self.clear_cache = on;
         self
     }
 
@@ -132,7 +129,6 @@ impl BlockStreamer {
 
     /// Block `idx`'s parameter names, relative to the block, sorted.
     pub fn block_keys(&self, idx: usize) -> Result<Vec<String>> {
-        self.check_open()?;
         Ok(self.params(idx)?.keys().cloned().collect())
     }
 
@@ -152,17 +148,7 @@ impl BlockStreamer {
 
     /// A zero-copy array of any tensor, e.g. a non-block parameter.
     pub fn tensor(&mut self, key: &str) -> Result<Array> {
-        self.check_open()?;
         self.array(key)
-    }
-
-    fn check_open(&self) -> Result<()> {
-        if self.closed {
-            return Err(Error::Closed {
-                what: "the block streamer",
-            });
-        }
-        Ok(())
     }
 
     fn params(&self, idx: usize) -> Result<&BTreeMap<String, String>> {
@@ -173,13 +159,10 @@ impl BlockStreamer {
     }
 
     fn file_index(&self, key: &str) -> Result<usize> {
-        let path = self.set.file_of(key).expect("indexed keys are in the set");
         Ok(self
             .set
-            .files()
-            .iter()
-            .position(|f| f.path() == path)
-            .expect("the file is in the set"))
+            .file_index_of(key)
+            .expect("indexed keys are in the set"))
     }
 
     /// The file bytes of `key`.
@@ -197,7 +180,8 @@ impl BlockStreamer {
     fn array(&mut self, key: &str) -> Result<Array> {
         let file = self.file_index(key)?;
         let (start, end) = self.byte_range(file, key);
-        let range = MappedRange::map(self.set.files()[file].path(), &self.files[file], start, end)?;
+        let st = &self.set.files()[file];
+        let range = MappedRange::map(st.path(), st.file(), start, end)?;
         let info = self.set.files()[file]
             .header()
             .tensor(key)
@@ -251,7 +235,7 @@ impl BlockStreamer {
         }
         let mut work = Vec::new();
         for (file, start, end) in self.block_spans(idx)? {
-            if let Ok(handle) = self.files[file].try_clone() {
+            if let Ok(handle) = self.set.files()[file].file().try_clone() {
                 work.push((handle, start, end));
             }
         }
@@ -269,10 +253,10 @@ impl BlockStreamer {
     /// must match exactly in names, shapes and dtypes; otherwise nothing is
     /// changed and the error names the block and parameter.
     ///
-    /// `evict_previous` names the block bound before: its weights are freed
-    /// as this call replaces them in `block` (the streamer holds none), and
-    /// with `evict_previous` set MLX's buffer cache, where freed buffers
-    /// wait for reuse, is also returned to the OS.
+    /// The block bound before is evicted by this call: its weights are freed
+    /// as they are replaced in `block` (the streamer holds none), and MLX's
+    /// buffer cache is returned to the OS afterwards unless
+    /// [`with_cache_clearing(false)`](Self::with_cache_clearing).
     ///
     /// `lora_sources` are fused by the streamer's fuser (an error without
     /// one); sources without LoRA for this block are skipped.
@@ -280,12 +264,10 @@ impl BlockStreamer {
         &mut self,
         block: &mut M,
         idx: usize,
-        evict_previous: Option<usize>,
         lora_sources: &[&BlockLoraSource],
     ) -> Result<()> {
         let _span =
             tracing::debug_span!("bind", block = idx, lora_sources = lora_sources.len()).entered();
-        self.check_open()?;
         let params = self.params(idx)?.clone();
         if !lora_sources.is_empty() && self.fuser.is_none() {
             return Err(Error::NoFuser);
@@ -330,7 +312,7 @@ impl BlockStreamer {
                 }
             }
         }
-        if evict_previous.is_some() {
+        if self.clear_cache {
             // The previous block's buffers went to MLX's cache as they were
             // replaced; give them back to the OS.
             mlx_rs::memory::clear_cache()?;
@@ -343,14 +325,6 @@ impl BlockStreamer {
             }
         }
         Ok(())
-    }
-
-    /// Releases the files and mappings; the streamer is unusable afterwards.
-    /// Arrays already bound stay valid (they keep their own mapping alive).
-    pub fn close(&mut self) {
-        self.prefetcher = None;
-        self.files.clear();
-        self.closed = true;
     }
 }
 

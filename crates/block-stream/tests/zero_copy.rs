@@ -73,7 +73,7 @@ fn a_bound_block_costs_one_block_of_memory() {
     };
     let before = ProcessMemory::read();
 
-    streamer.bind(&mut m, 0, None, &[]).unwrap();
+    streamer.bind(&mut m, 0, &[]).unwrap();
     assert_eq!(sum(&m.w), ELEMENTS as f32, "block 0 holds ones");
     let bound = ProcessMemory::read();
     let grew = |now: &ProcessMemory| {
@@ -111,7 +111,7 @@ fn a_bound_block_costs_one_block_of_memory() {
         );
     }
 
-    streamer.bind(&mut m, 1, Some(0), &[]).unwrap();
+    streamer.bind(&mut m, 1, &[]).unwrap();
     assert_eq!(sum(&m.w), 2.0 * ELEMENTS as f32, "block 1 holds twos");
     let (anon, file) = grew(&ProcessMemory::read());
     println!(

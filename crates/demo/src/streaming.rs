@@ -81,7 +81,7 @@ fn pass(path: &Path, spec: Spec, mode: Mode, rows: i32) -> Result<PassReport> {
             let mut modules = Vec::with_capacity(blocks.len());
             for &b in &blocks {
                 let mut m = Block::new(spec)?;
-                streamer.bind(&mut m, b, None, &[])?;
+                streamer.bind(&mut m, b, &[])?;
                 modules.push(m);
             }
             bind_s = t.elapsed().as_secs_f64();
@@ -92,14 +92,12 @@ fn pass(path: &Path, spec: Spec, mode: Mode, rows: i32) -> Result<PassReport> {
         }
         Mode::Streamed | Mode::Prefetched => {
             let mut m = Block::new(spec)?;
-            let mut previous = None;
             for &b in &blocks {
                 let t = Instant::now();
-                streamer.bind(&mut m, b, previous, &[])?;
+                streamer.bind(&mut m, b, &[])?;
                 bind_s += t.elapsed().as_secs_f64();
                 x = m.forward(&x)?;
                 x.eval()?;
-                previous = Some(b);
             }
         }
     }

@@ -76,6 +76,11 @@ impl SafetensorsFile {
         &self.path
     }
 
+    /// The open file (e.g. for positioned reads or mappings of parts of it).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     /// The validated header.
     pub fn header(&self) -> &Header {
         &self.header

@@ -111,6 +111,11 @@ impl SafetensorsSet {
         Ok(SafetensorsSet { files, keys })
     }
 
+    /// The position in [`files`](Self::files) of the file holding `key`.
+    pub fn file_index_of(&self, key: &str) -> Option<usize> {
+        self.keys.get(key).copied()
+    }
+
     /// The mapped files, in the order they were opened.
     pub fn files(&self) -> &[SafetensorsFile] {
         &self.files
