@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use adapter_codec::AdapterCodec;
 use anyhow::{Context, Result};
-use mlx_engine::{EngineConfig, Message, MlxEngine, Tokenizer};
+use mlx_engine::{EngineConfig, GenerateOptions, Message, MlxEngine, Tokenizer};
 use mlx_rs::Array;
 
 /// A LoRA adapter made up for the demo (not trained): rank 4 on q and v of
@@ -196,8 +196,13 @@ pub fn classify(
             .progress_chars("=> "),
     );
     let progress = bar.clone();
-    let (texts, stats) = engine
-        .generate_with_stats_async(conversations, move |n| progress.inc(n as u64), max_tokens)
+    let mlx_engine::Generation { texts, stats, .. } = engine
+        .generate_async(
+            conversations,
+            GenerateOptions::new()
+                .max_tokens(max_tokens)
+                .on_progress(move |n| progress.inc(n as u64)),
+        )
         .wait()?;
     bar.finish_and_clear();
     let mut confusion = [[0usize; 5]; 5];

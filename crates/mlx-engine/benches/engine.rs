@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use mlx_engine::{EngineConfig, Message, MlxEngine};
+use mlx_engine::{EngineConfig, GenerateOptions, Message, MlxEngine};
 
 fn words(seed: usize, n: usize) -> String {
     const WORDS: [&str; 16] = [
@@ -65,10 +65,11 @@ fn child(dir: &Path, n: usize, batch: usize, max_tokens: usize) {
     )
     .unwrap();
     engine.ensure_loaded().unwrap();
-    let (_, s) = engine
-        .generate_with_stats_async(convs, |_| {}, max_tokens)
+    let s = engine
+        .generate_async(convs, GenerateOptions::new().max_tokens(max_tokens))
         .wait()
-        .unwrap();
+        .unwrap()
+        .stats;
     println!(
         "{} {} {} {} {}",
         s.seconds,

@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use mlx_engine::{EngineConfig, Message, MlxEngine};
+use mlx_engine::{EngineConfig, GenerateOptions, Message, MlxEngine};
 
 fn main() -> Result<()> {
     let model_dir = match std::env::args().nth(1) {
@@ -44,8 +44,12 @@ fn main() -> Result<()> {
         .iter()
         .map(|q| vec![system.clone(), Message::new("user", *q)])
         .collect();
-    let (answers, stats) = engine
-        .generate_with_stats_async(conversations, |_| {}, 24)
+    let mlx_engine::Generation {
+        texts: answers,
+        stats,
+        ..
+    } = engine
+        .generate_async(conversations, GenerateOptions::new().max_tokens(24))
         .wait()?;
     for (q, a) in questions.iter().zip(&answers) {
         println!("Q: {q}\nA: {}\n", a.trim());

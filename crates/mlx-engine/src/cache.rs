@@ -3,7 +3,7 @@
 
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-use mlx_rs::{error::Exception, Array};
+use mlx_rs::Array;
 
 use crate::error::Result;
 
@@ -38,7 +38,7 @@ pub struct KvCache {
     /// Per row, how many owned slots (at their start) are padding. Rotary
     /// positions of a row's new tokens are `len() - pad`, so padding does
     /// not shift them; the mask must hide the padded slots.
-    pub pads: Vec<i32>,
+    pads: Vec<i32>,
 }
 
 impl KvCache {
@@ -55,6 +55,38 @@ impl KvCache {
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Per row, how many of its first owned slots are padding.
+    pub fn pads(&self) -> &[i32] {
+        &self.pads
+    }
+
+    /// Declares how many of each row's first owned slots will be padding,
+    /// before any owned position is written (a left-padded prefill).
+    ///
+    /// # Errors
+    /// [`Error::Cache`](crate::Error::Cache) once owned positions exist, for
+    /// a negative pad, or when a forked cache's row count differs.
+    pub fn set_pads(&mut self, pads: Vec<i32>) -> Result<()> {
+        if self.own_len != 0 {
+            return Err(cache_err(format!(
+                "padding is set before the rows own positions; they own {}",
+                self.own_len
+            )));
+        }
+        if pads.iter().any(|&p| p < 0) {
+            return Err(cache_err(format!("negative padding in {pads:?}")));
+        }
+        if !self.pads.is_empty() && self.pads.len() != pads.len() {
+            return Err(cache_err(format!(
+                "{} pads for a cache of {} rows",
+                pads.len(),
+                self.pads.len()
+            )));
+        }
+        self.pads = pads;
+        Ok(())
     }
 
     /// Positions owned by the rows (padding included): what a mask's last
@@ -77,7 +109,7 @@ impl KvCache {
                         "only a one-row cache can be shared, this one has {} rows",
                         owned.keys.dim(0)
                     );
-                    return Err(Exception::custom(what).into());
+                    return Err(cache_err(what));
                 }
                 let mine = |a: &Array| a.index((0, .., ..self.own_len, ..));
                 let joined = |own: Array, shared: Option<&Array>| -> Result<Array> {
@@ -115,7 +147,7 @@ impl KvCache {
         };
         if parts.iter().any(|p| p.shared_len != first.shared_len) {
             let what = "cannot stack caches forked from different prefixes";
-            return Err(Exception::custom(what).into());
+            return Err(cache_err(what.to_owned()));
         }
         let own_len = parts.iter().map(|c| c.own_len).max().unwrap_or(0);
         let layer_count = parts.iter().map(|c| c.owned.len()).max().unwrap_or(0);
@@ -224,7 +256,11 @@ fn empty_slots(like: &Array, n: i32) -> Result<Array> {
 }
 
 fn empty_layer(layer: usize) -> crate::Error {
-    Exception::custom(format!("the cache has no keys for layer {layer}")).into()
+    cache_err(format!("the cache has no keys for layer {layer}"))
+}
+
+fn cache_err(message: String) -> crate::Error {
+    crate::Error::Cache(message)
 }
 
 /// The attention mask over owned positions for a batch whose rows are

@@ -8,198 +8,16 @@
 //! Nobody waits forever.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
-use mlx_rs::error::Exception;
-use mlx_rs::Array;
 
-use crate::generate::{generate_batch, GenSettings, GenState, GenerationStats};
+use crate::error::EngineError;
+use crate::generate::{generate_batch, GenSettings, GenState, Generation};
 use crate::model::{Model, QuantizedWeights};
+use crate::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
 use crate::tokenizer::{Message, Tokenizer};
-
-/// Changes the logits `(batch, vocab)` of each decoding step, e.g. to allow
-/// only a set of label tokens.
-pub trait LogitsProcessor {
-    /// Returns the logits to pick the next tokens from.
-    fn process(&mut self, logits: &Array) -> Result<Array, Exception>;
-}
-
-impl<F: FnMut(&Array) -> Result<Array, Exception>> LogitsProcessor for F {
-    fn process(&mut self, logits: &Array) -> Result<Array, Exception> {
-        self(logits)
-    }
-}
-
-/// Builds the logits processor from the loaded tokenizer, on the worker.
-pub type LogitsProcessorFactory = Box<dyn FnOnce(&Tokenizer) -> Box<dyn LogitsProcessor> + Send>;
-
-/// How special-token strings inside message contents are tokenized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum SpecialTokens {
-    /// As plain text (the default): a user who writes `<|im_end|>` gets the
-    /// characters, not the control token, so untrusted text cannot end its
-    /// turn or open a system message. The chat template's own special
-    /// tokens stay special.
-    #[default]
-    AsText,
-    /// As control tokens, as Hugging Face's `apply_chat_template` followed
-    /// by `encode` does (and mlx_lm with it): only for trusted content.
-    Honor,
-}
-
-/// How to start an engine: [`EngineConfig::new`] with the model folder,
-/// then the options that differ from the defaults.
-///
-/// ```no_run
-/// use mlx_engine::{EngineConfig, Message};
-///
-/// let config = EngineConfig::new("models/fused")
-///     .prefix_messages(vec![Message::new("system", "Rate the review from 1 to 5.")])
-///     .batch_size(2)
-///     .max_prompt_tokens(4096);
-/// ```
-pub struct EngineConfig {
-    pub(crate) model_dir: PathBuf,
-    pub(crate) logits_processor_factory: Option<LogitsProcessorFactory>,
-    pub(crate) prefix_messages: Vec<Message>,
-    pub(crate) batch_size: usize,
-    pub(crate) worker_name: String,
-    pub(crate) quantized: Option<QuantizedWeights>,
-    pub(crate) max_prompt_tokens: Option<usize>,
-    pub(crate) special_tokens: SpecialTokens,
-}
-
-impl EngineConfig {
-    /// An engine for the mlx_lm-format model folder `model_dir` (e.g. what
-    /// `adapter-fuse` returns), with the defaults: no prefix messages, no
-    /// logits processor, batches of 8, quantized weights held the faster way
-    /// for the device, prompts up to the model's context length, special
-    /// tokens in messages read as text.
-    pub fn new(model_dir: impl Into<PathBuf>) -> EngineConfig {
-        EngineConfig {
-            model_dir: model_dir.into(),
-            logits_processor_factory: None,
-            prefix_messages: Vec::new(),
-            batch_size: 8,
-            worker_name: "mlx-engine".to_owned(),
-            quantized: None,
-            max_prompt_tokens: None,
-            special_tokens: SpecialTokens::AsText,
-        }
-    }
-
-    /// Messages every conversation starts with; their cache is computed once.
-    pub fn prefix_messages(mut self, messages: Vec<Message>) -> EngineConfig {
-        self.prefix_messages = messages;
-        self
-    }
-
-    /// Conversations per batch (at least 1).
-    pub fn batch_size(mut self, batch_size: usize) -> EngineConfig {
-        self.batch_size = batch_size;
-        self
-    }
-
-    /// Builds the processor applied to every decoding step from the loaded
-    /// tokenizer, on the worker (e.g. to allow only label tokens).
-    pub fn logits_processor(
-        mut self,
-        factory: impl FnOnce(&Tokenizer) -> Box<dyn LogitsProcessor> + Send + 'static,
-    ) -> EngineConfig {
-        self.logits_processor_factory = Some(Box::new(factory));
-        self
-    }
-
-    /// The worker thread's name (default `mlx-engine`).
-    pub fn worker_name(mut self, name: impl Into<String>) -> EngineConfig {
-        self.worker_name = name.into();
-        self
-    }
-
-    /// How to hold quantized weights (default: the faster for the device).
-    pub fn quantized(mut self, quantized: QuantizedWeights) -> EngineConfig {
-        self.quantized = Some(quantized);
-        self
-    }
-
-    /// The longest prompt (prefix and conversation, in tokens) a
-    /// conversation may have; longer ones are
-    /// [`EngineError::PromptTooLong`]. Default: the model's
-    /// `max_position_embeddings`, else [`DEFAULT_MAX_PROMPT_TOKENS`].
-    pub fn max_prompt_tokens(mut self, tokens: usize) -> EngineConfig {
-        self.max_prompt_tokens = Some(tokens);
-        self
-    }
-
-    /// How special-token strings in message contents are tokenized
-    /// (default [`SpecialTokens::AsText`]).
-    pub fn special_tokens_in_messages(mut self, policy: SpecialTokens) -> EngineConfig {
-        self.special_tokens = policy;
-        self
-    }
-}
-
-/// The prompt limit of a model whose config names no context length.
-pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 8192;
-
-impl std::fmt::Debug for EngineConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineConfig")
-            .field("model_dir", &self.model_dir)
-            .field("prefix_messages", &self.prefix_messages)
-            .field("batch_size", &self.batch_size)
-            .field("worker_name", &self.worker_name)
-            .field("quantized", &self.quantized)
-            .field("max_prompt_tokens", &self.max_prompt_tokens)
-            .field("special_tokens", &self.special_tokens)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Errors of the engine. Cloneable: one load error reaches every caller.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum EngineError {
-    /// The configuration cannot work (e.g. batch size 0).
-    #[error("invalid engine configuration: {0}")]
-    InvalidConfig(String),
-    /// The worker thread could not be started.
-    #[error("cannot start the worker thread: {0}")]
-    Spawn(String),
-    /// Loading the model failed; every call reports it.
-    #[error("loading the model failed: {0}")]
-    Load(Arc<crate::Error>),
-    /// A conversation does not start with the engine's prefix messages.
-    #[error("conversation {index} does not start with the engine's prefix messages")]
-    PrefixMismatch { index: usize },
-    /// A conversation has nothing after the prefix messages to answer.
-    #[error("conversation {index} is only the engine's prefix messages: nothing to answer")]
-    NothingAfterPrefix { index: usize },
-    /// A conversation's prompt is longer than the engine allows.
-    #[error("conversation {index} is {tokens} tokens long; the limit is {limit} (EngineConfig::max_prompt_tokens)")]
-    PromptTooLong {
-        index: usize,
-        tokens: usize,
-        limit: usize,
-    },
-    /// A blocking call was made from a job running on the worker itself,
-    /// which would wait for itself forever.
-    #[error("called from a job on the engine's own worker thread, which would wait for itself; use the Worker the job receives")]
-    CalledFromWorker,
-    /// Generating failed for this request.
-    #[error("generation failed: {0}")]
-    Generate(Arc<crate::Error>),
-    /// A job panicked on the worker (the worker goes on).
-    #[error("a job panicked on the worker: {0}")]
-    Panicked(String),
-    /// The engine was closed, or its worker is gone.
-    #[error("the engine is closed")]
-    Closed,
-}
 
 /// What a job submitted with [`MlxEngine::submit`] gets to work with.
 pub struct Worker {
@@ -388,33 +206,24 @@ impl MlxEngine {
         self.send(move |worker| worker.map(job).map_err(Clone::clone))
     }
 
-    /// Generates up to `max_tokens` tokens (greedy) for each conversation,
-    /// returning the texts in the given order. See the crate docs.
+    /// Generates up to `options.max_tokens` tokens (greedy) for each
+    /// conversation; the texts come back in the given order, with the
+    /// call's throughput. See the crate docs.
     pub fn generate_async(
         &self,
         conversations: Vec<Vec<Message>>,
-        on_progress: impl FnMut(usize) + Send + 'static,
-        max_tokens: usize,
-    ) -> Reply<Vec<String>> {
-        let mut on_progress = on_progress;
+        options: GenerateOptions,
+    ) -> Reply<Generation> {
+        let mut options = options;
         self.send(move |worker| {
             let worker = worker.map_err(Clone::clone)?;
-            generate_batch(worker, &conversations, max_tokens, &mut on_progress)
-                .map(|(texts, _)| texts)
-        })
-    }
-
-    /// [`generate_async`](Self::generate_async), with throughput figures.
-    pub fn generate_with_stats_async(
-        &self,
-        conversations: Vec<Vec<Message>>,
-        on_progress: impl FnMut(usize) + Send + 'static,
-        max_tokens: usize,
-    ) -> Reply<(Vec<String>, GenerationStats)> {
-        let mut on_progress = on_progress;
-        self.send(move |worker| {
-            let worker = worker.map_err(Clone::clone)?;
-            generate_batch(worker, &conversations, max_tokens, &mut on_progress)
+            generate_batch(
+                &worker.model,
+                &worker.tokenizer,
+                &mut worker.state,
+                &conversations,
+                &mut options,
+            )
         })
     }
 
@@ -422,11 +231,9 @@ impl MlxEngine {
     pub fn generate(
         &self,
         conversations: Vec<Vec<Message>>,
-        on_progress: impl FnMut(usize) + Send + 'static,
-        max_tokens: usize,
-    ) -> Result<Vec<String>, EngineError> {
-        self.generate_async(conversations, on_progress, max_tokens)
-            .wait()
+        options: GenerateOptions,
+    ) -> Result<Generation, EngineError> {
+        self.generate_async(conversations, options).wait()
     }
 
     /// The process's peak resident set size in bytes, from the OS (`VmHWM`

@@ -1,6 +1,7 @@
 //! The crate's error type.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Errors from loading and running models.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +61,10 @@ pub enum Error {
     /// processor that wrote NaN).
     #[error("the model produced NaN logits: its weights hold NaN or infinite values, or the logits processor wrote NaN")]
     NotFiniteLogits,
+    /// A key/value cache used against its invariants (a bug in the caller
+    /// of [`KvCache`](crate::KvCache)).
+    #[error("key/value cache: {0}")]
+    Cache(String),
     /// An MLX operation failed.
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
@@ -67,3 +72,44 @@ pub enum Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Errors of the engine. Cloneable: one load error reaches every caller.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// The configuration cannot work (e.g. batch size 0).
+    #[error("invalid engine configuration: {0}")]
+    InvalidConfig(String),
+    /// The worker thread could not be started.
+    #[error("cannot start the worker thread: {0}")]
+    Spawn(String),
+    /// Loading the model failed; every call reports it.
+    #[error("loading the model failed: {0}")]
+    Load(Arc<Error>),
+    /// A conversation does not start with the engine's prefix messages.
+    #[error("conversation {index} does not start with the engine's prefix messages")]
+    PrefixMismatch { index: usize },
+    /// A conversation has nothing after the prefix messages to answer.
+    #[error("conversation {index} is only the engine's prefix messages: nothing to answer")]
+    NothingAfterPrefix { index: usize },
+    /// A conversation's prompt is longer than the engine allows.
+    #[error("conversation {index} is {tokens} tokens long; the limit is {limit} (EngineConfig::max_prompt_tokens)")]
+    PromptTooLong {
+        index: usize,
+        tokens: usize,
+        limit: usize,
+    },
+    /// A blocking call was made from a job running on the worker itself,
+    /// which would wait for itself forever.
+    #[error("called from a job on the engine's own worker thread, which would wait for itself; use the Worker the job receives")]
+    CalledFromWorker,
+    /// Generating failed for this request.
+    #[error("generation failed: {0}")]
+    Generate(Arc<Error>),
+    /// A job panicked on the worker (the worker goes on).
+    #[error("a job panicked on the worker: {0}")]
+    Panicked(String),
+    /// The engine was closed, or its worker is gone.
+    #[error("the engine is closed")]
+    Closed,
+}

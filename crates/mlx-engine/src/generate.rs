@@ -7,8 +7,9 @@ use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::Array;
 
 use crate::cache::{padded_causal_mask, KvCache};
-use crate::engine::{EngineError, LogitsProcessor, SpecialTokens, Worker};
+use crate::error::EngineError;
 use crate::model::Model;
+use crate::options::{GenerateOptions, LogitsProcessor, SpecialTokens};
 use crate::tokenizer::{Message, Tokenizer};
 
 /// Prompts are prefilled at most this many positions at a time, so that the
@@ -123,22 +124,39 @@ impl GenerationStats {
     }
 }
 
+/// What a [`generate`](crate::MlxEngine::generate) call returns.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Generation {
+    /// One text per conversation, in the order given.
+    pub texts: Vec<String>,
+    /// Throughput of the call.
+    pub stats: GenerationStats,
+}
+
 /// Generates for every conversation; texts come back in the given order.
 pub(crate) fn generate_batch(
-    worker: &mut Worker,
+    model: &Model,
+    tokenizer: &Tokenizer,
+    state: &mut GenState,
     conversations: &[Vec<Message>],
-    max_tokens: usize,
-    on_progress: &mut dyn FnMut(usize),
-) -> Result<(Vec<String>, GenerationStats), EngineError> {
+    options: &mut GenerateOptions,
+) -> Result<Generation, EngineError> {
+    let _span = tracing::info_span!(
+        "generate",
+        conversations = conversations.len(),
+        max_tokens = options.max_tokens
+    )
+    .entered();
+    let max_tokens = options.max_tokens;
     let start = std::time::Instant::now();
     let mut stats = GenerationStats {
         conversations: conversations.len(),
         ..GenerationStats::default()
     };
-    let state = &mut worker.state;
     let p = state.prefix_messages.len();
     let mut suffixes = Vec::with_capacity(conversations.len());
-    let vocab = worker.model.config().vocab_size;
+    let vocab = model.config().vocab_size;
     for (index, conversation) in conversations.iter().enumerate() {
         if conversation.len() < p || conversation[..p] != state.prefix_messages[..] {
             return Err(EngineError::PrefixMismatch { index });
@@ -146,8 +164,7 @@ pub(crate) fn generate_batch(
         if conversation.len() == p {
             return Err(EngineError::NothingAfterPrefix { index });
         }
-        let tokens = worker
-            .tokenizer
+        let tokens = tokenizer
             .chat_tokens(conversation, true, state.special_tokens)
             .map_err(gen_err)?;
         if tokens.len() > state.max_prompt_tokens {
@@ -180,15 +197,15 @@ pub(crate) fn generate_batch(
         let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
         let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
         stats.prompt_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
-        let generated = generate_chunk(&worker.model, state, &rows, max_tokens).map_err(gen_err)?;
+        let generated = generate_chunk(model, state, &rows, max_tokens).map_err(gen_err)?;
         stats.generated_tokens += generated.iter().map(Vec::len).sum::<usize>();
         for (&i, tokens) in chunk.iter().zip(generated) {
-            texts[i] = worker.tokenizer.decode(&tokens).map_err(gen_err)?;
+            texts[i] = tokenizer.decode(&tokens).map_err(gen_err)?;
         }
-        on_progress(chunk.len());
+        (options.on_progress)(chunk.len());
     }
     stats.seconds = start.elapsed().as_secs_f64();
-    Ok((texts, stats))
+    Ok(Generation { texts, stats })
 }
 
 /// Rows of a chunk whose padding to the longest stays under an eighth of
@@ -247,7 +264,7 @@ fn generate_chunk(
     } else {
         KvCache::new()
     };
-    let pads: Vec<usize> = cache.pads.iter().map(|&p| p as usize).collect();
+    let pads: Vec<usize> = cache.pads().iter().map(|&p| p as usize).collect();
     let eos = &state.eos;
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
@@ -314,7 +331,7 @@ fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::R
         block.extend(row.iter().map(|&t| t as i32));
     }
     let block = Array::from_slice(&block, &[rows.len() as i32, width as i32]);
-    cache.pads = pads.iter().map(|&p| p as i32).collect();
+    cache.set_pads(pads.iter().map(|&p| p as i32).collect())?;
     let mut start = 0;
     loop {
         let end = (start + PREFILL_CHUNK).min(width);

@@ -18,7 +18,7 @@
 //! given order.
 //!
 //! ```
-//! use mlx_engine::{EngineConfig, Message, MlxEngine};
+//! use mlx_engine::{EngineConfig, GenerateOptions, Message, MlxEngine};
 //!
 //! # fn main() -> Result<(), mlx_engine::EngineError> {
 //! # // Runs on the real model where `cargo xtask test` provides it.
@@ -35,7 +35,9 @@
 //! let engine = MlxEngine::new(config)?;
 //! engine.ensure_loaded()?;
 //! let question = vec![system, Message::new("user", "What is the capital of France?")];
-//! let answers = engine.generate(vec![question], |_| {}, 12)?;
+//! let answers = engine
+//!     .generate(vec![question], GenerateOptions::new().max_tokens(12))?
+//!     .texts;
 //! assert!(answers[0].contains("Paris"), "{answers:?}");
 //! # Ok(())
 //! # }
@@ -70,19 +72,21 @@ mod generate;
 mod gguf;
 mod gguf_check;
 mod model;
+mod options;
 mod tokenizer;
 
 pub use cache::{padded_causal_mask, KvCache};
 pub use config::{ModelConfig, SUPPORTED};
-pub use engine::{
-    EngineConfig, EngineError, LogitsProcessor, LogitsProcessorFactory, MlxEngine, Reply,
-    SpecialTokens, Worker, DEFAULT_MAX_PROMPT_TOKENS,
-};
-pub use error::{Error, Result};
-pub use generate::GenerationStats;
+pub use engine::{MlxEngine, Reply, Worker};
+pub use error::{EngineError, Error, Result};
+pub use generate::{Generation, GenerationStats};
 pub use gguf::{import_gguf, ImportWeights};
 pub use mlx_support::{Quantization, QuantizationConfig};
 pub use model::{Model, QuantizedWeights};
+pub use options::{
+    EngineConfig, GenerateOptions, LogitsProcessor, LogitsProcessorFactory, SpecialTokens,
+    DEFAULT_MAX_PROMPT_TOKENS,
+};
 pub use tokenizer::{Message, Tokenizer};
 
 /// Compiles the README's example with the doc-tests, so that it stays true.

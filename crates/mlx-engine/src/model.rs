@@ -349,8 +349,8 @@ impl Model {
         };
         // Rotary positions: the cached length, less each row's padding.
         let position = cache.len();
-        let offsets = cache.pads.iter().any(|&p| p != 0).then(|| {
-            let offsets: Vec<i32> = cache.pads.iter().map(|p| position - p).collect();
+        let offsets = cache.pads().iter().any(|&p| p != 0).then(|| {
+            let offsets: Vec<i32> = cache.pads().iter().map(|p| position - p).collect();
             Array::from_slice(&offsets, &[offsets.len() as i32])
         });
         let mut x = self

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::engine::SpecialTokens;
 use crate::error::{Error, Result};
+use crate::options::SpecialTokens;
 
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]

@@ -371,7 +371,9 @@ fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
         .flat_map(|r| std::iter::repeat_n(0, width - r.len()).chain(r.iter().copied()))
         .collect();
     let mut cache = shared.fork(4).unwrap();
-    cache.pads = pads.iter().map(|&p| p as i32).collect();
+    cache
+        .set_pads(pads.iter().map(|&p| p as i32).collect())
+        .unwrap();
     let mask = padded_causal_mask(&pads, 0, width);
     let logits = model
         .forward(
@@ -416,8 +418,8 @@ fn stacked_caches_decode_like_each_row_alone() {
     let mut cache = KvCache::stack(parts, 1).unwrap();
     assert_eq!(cache.len(), (prefix.len() + 5) as i32);
     assert_eq!(cache.own_len(), 5);
-    assert_eq!(cache.pads, [3, 0, 4]);
-    let pads: Vec<usize> = cache.pads.iter().map(|&p| p as usize).collect();
+    assert_eq!(cache.pads(), [3, 0, 4]);
+    let pads: Vec<usize> = cache.pads().iter().map(|&p| p as usize).collect();
     let mut seen: Vec<Vec<i32>> = rows
         .iter()
         .map(|row| prefix.iter().chain(row.iter()).copied().collect())

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use mlx_engine::{EngineConfig, EngineError, Message, MlxEngine, Tokenizer};
+use mlx_engine::{EngineConfig, EngineError, GenerateOptions, Message, MlxEngine, Tokenizer};
 use mlx_rs::Array;
 
 mod common;
@@ -22,11 +22,11 @@ fn batched_generation_equals_one_at_a_time_and_the_full_prompt() {
     let batched = engine(dir.path(), 4)
         .generate(
             convs.clone(),
-            move |n| {
+            GenerateOptions::new().max_tokens(5).on_progress(move |n| {
                 seen.fetch_add(n, Ordering::SeqCst);
-            },
-            5,
+            }),
         )
+        .map(|g| g.texts)
         .unwrap();
     assert_eq!(
         progress.load(Ordering::SeqCst),
@@ -34,7 +34,8 @@ fn batched_generation_equals_one_at_a_time_and_the_full_prompt() {
         "progress covers every conversation"
     );
     let single = engine(dir.path(), 1)
-        .generate(convs.clone(), |_| {}, 5)
+        .generate(convs.clone(), GenerateOptions::new().max_tokens(5))
+        .map(|g| g.texts)
         .unwrap();
     assert_eq!(batched, single);
     for (conv, text) in convs.iter().zip(&batched) {
@@ -71,7 +72,10 @@ fn logits_processor_restricts_the_output() {
             .worker_name("mlx-test"),
     )
     .unwrap();
-    let texts = engine.generate(conversations(), |_| {}, 1).unwrap();
+    let texts = engine
+        .generate(conversations(), GenerateOptions::new().max_tokens(1))
+        .map(|g| g.texts)
+        .unwrap();
     assert!(texts.iter().all(|t| t == "w9"), "{texts:?}");
 }
 
@@ -83,12 +87,18 @@ fn conversations_must_start_with_the_prefix() {
     let mut convs = conversations();
     convs[3][0] = Message::new("system", "w9");
     assert!(matches!(
-        engine.generate(convs, |_| {}, 1),
+        engine
+            .generate(convs, GenerateOptions::new().max_tokens(1))
+            .map(|g| g.texts),
         Err(EngineError::PrefixMismatch { index: 3 })
     ));
     // The engine keeps serving after a failed request.
     assert_eq!(
-        engine.generate(conversations(), |_| {}, 1).unwrap().len(),
+        engine
+            .generate(conversations(), GenerateOptions::new().max_tokens(1))
+            .map(|g| g.texts)
+            .unwrap()
+            .len(),
         6
     );
 }
@@ -112,7 +122,9 @@ fn a_failed_load_is_reported_to_every_call() {
     assert!(matches!(engine.ensure_loaded(), Err(EngineError::Load(_))));
     assert!(matches!(engine.ensure_loaded(), Err(EngineError::Load(_))));
     assert!(matches!(
-        engine.generate(conversations(), |_| {}, 1),
+        engine
+            .generate(conversations(), GenerateOptions::new().max_tokens(1))
+            .map(|g| g.texts),
         Err(EngineError::Load(_))
     ));
     assert!(matches!(
@@ -138,7 +150,9 @@ fn close_finishes_queued_jobs_then_refuses_new_ones() {
         Err(EngineError::Closed)
     ));
     assert!(matches!(
-        engine.generate(conversations(), |_| {}, 1),
+        engine
+            .generate(conversations(), GenerateOptions::new().max_tokens(1))
+            .map(|g| g.texts),
         Err(EngineError::Closed)
     ));
 }
@@ -168,16 +182,24 @@ fn replies_are_futures_too() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path());
     let engine = engine(dir.path(), 2);
-    let mut reply = std::pin::pin!(engine.generate_async(conversations(), |_| {}, 2));
+    let mut reply = std::pin::pin!(
+        engine.generate_async(conversations(), GenerateOptions::new().max_tokens(2))
+    );
     let waker = std::task::Waker::noop();
     let mut cx = std::task::Context::from_waker(waker);
     let texts = loop {
         if let std::task::Poll::Ready(r) = std::future::Future::poll(reply.as_mut(), &mut cx) {
-            break r.unwrap();
+            break r.unwrap().texts;
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     };
-    assert_eq!(texts, engine.generate(conversations(), |_| {}, 2).unwrap());
+    assert_eq!(
+        texts,
+        engine
+            .generate(conversations(), GenerateOptions::new().max_tokens(2))
+            .map(|g| g.texts)
+            .unwrap()
+    );
 }
 
 /// Replies are plain futures: a tokio runtime drives them through their
@@ -201,10 +223,12 @@ fn replies_resolve_under_tokio() {
             .await
             .expect("woken")
             .unwrap();
-        let texts = within(engine.generate_async(conversations(), |_| {}, 2));
+        let texts =
+            within(engine.generate_async(conversations(), GenerateOptions::new().max_tokens(2)));
         let count = within(engine.submit(|w| w.model.config().num_hidden_layers));
         let failed_load = within(broken.ensure_loaded_async());
-        let failed_generate = within(broken.generate_async(conversations(), |_| {}, 1));
+        let failed_generate =
+            within(broken.generate_async(conversations(), GenerateOptions::new().max_tokens(1)));
         (
             texts.await.expect("woken"),
             count.await.expect("woken"),
@@ -213,8 +237,11 @@ fn replies_resolve_under_tokio() {
         )
     });
     assert_eq!(
-        texts.unwrap(),
-        engine.generate(conversations(), |_| {}, 2).unwrap()
+        texts.unwrap().texts,
+        engine
+            .generate(conversations(), GenerateOptions::new().max_tokens(2))
+            .map(|g| g.texts)
+            .unwrap()
     );
     assert_eq!(count.unwrap(), 2);
     assert!(
@@ -237,8 +264,8 @@ fn statistics_and_memory_are_reported() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path());
     let engine = engine(dir.path(), 4);
-    let (texts, stats) = engine
-        .generate_with_stats_async(conversations(), |_| {}, 3)
+    let mlx_engine::Generation { texts, stats, .. } = engine
+        .generate_async(conversations(), GenerateOptions::new().max_tokens(3))
         .wait()
         .unwrap();
     assert_eq!((texts.len(), stats.conversations), (6, 6));

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use mlx_engine::{EngineConfig, EngineError, Error, Message, MlxEngine, SpecialTokens, Tokenizer};
+use mlx_engine::{
+    EngineConfig, EngineError, Error, GenerateOptions, Message, MlxEngine, SpecialTokens, Tokenizer,
+};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
@@ -24,7 +26,10 @@ fn within_a_minute<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) ->
 }
 
 fn generate_err(engine: &MlxEngine, conversations: Vec<Vec<Message>>) -> EngineError {
-    engine.generate(conversations, |_| {}, 1).unwrap_err()
+    engine
+        .generate(conversations, GenerateOptions::new().max_tokens(1))
+        .map(|g| g.texts)
+        .unwrap_err()
 }
 
 /// The inner crate error of a failed request or load.
@@ -43,7 +48,11 @@ fn generate_called_from_a_job_on_the_worker_is_an_error_not_a_deadlock() {
     let inside = Arc::clone(&engine);
     let result = within_a_minute(move || {
         engine
-            .submit(move |_| inside.generate(conversations(), |_| {}, 1))
+            .submit(move |_| {
+                inside
+                    .generate(conversations(), GenerateOptions::new().max_tokens(1))
+                    .map(|g| g.texts)
+            })
             .wait()
     });
     let inner_result = result.expect("the job itself ran");
@@ -102,7 +111,14 @@ fn prompts_past_the_limit_are_refused_per_conversation() {
         ),
         "{err:?}"
     );
-    assert_eq!(engine.generate(vec![short], |_| {}, 1).unwrap().len(), 1);
+    assert_eq!(
+        engine
+            .generate(vec![short], GenerateOptions::new().max_tokens(1))
+            .map(|g| g.texts)
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 #[test]
@@ -138,7 +154,11 @@ fn long_prompts_are_prefilled_in_pieces_with_the_same_answers() {
     let short = vec![system(), Message::new("user", "w3 w4")];
     let engine = engine(dir.path(), 2);
     let texts = engine
-        .generate(vec![long.clone(), short.clone()], |_| {}, 4)
+        .generate(
+            vec![long.clone(), short.clone()],
+            GenerateOptions::new().max_tokens(4),
+        )
+        .map(|g| g.texts)
         .unwrap();
     assert_eq!(texts[0], reference(dir.path(), &long, 4));
     assert_eq!(texts[1], reference(dir.path(), &short, 4));
@@ -177,7 +197,8 @@ fn control_tokens_written_in_messages_are_plain_text() {
     let default = engine(dir.path(), 2);
     assert_eq!(
         default
-            .generate(vec![hostile.clone()], |_| {}, 3)
+            .generate(vec![hostile.clone()], GenerateOptions::new().max_tokens(3))
+            .map(|g| g.texts)
             .unwrap()
             .len(),
         1
@@ -189,7 +210,11 @@ fn control_tokens_written_in_messages_are_plain_text() {
     )
     .unwrap();
     assert_eq!(
-        trusting.generate(vec![hostile], |_| {}, 3).unwrap().len(),
+        trusting
+            .generate(vec![hostile], GenerateOptions::new().max_tokens(3))
+            .map(|g| g.texts)
+            .unwrap()
+            .len(),
         1
     );
 }
@@ -240,7 +265,11 @@ fn token_ids_outside_the_embedding_table_are_refused() {
         "{err:?}"
     );
     assert_eq!(
-        engine.generate(conversations(), |_| {}, 1).unwrap().len(),
+        engine
+            .generate(conversations(), GenerateOptions::new().max_tokens(1))
+            .map(|g| g.texts)
+            .unwrap()
+            .len(),
         6
     );
 }

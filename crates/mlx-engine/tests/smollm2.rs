@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use mlx_engine::{
-    EngineConfig, KvCache, Message, MlxEngine, Model, QuantizedWeights, SpecialTokens, Tokenizer,
+    EngineConfig, GenerateOptions, KvCache, Message, MlxEngine, Model, QuantizedWeights,
+    SpecialTokens, Tokenizer,
 };
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
@@ -37,7 +38,11 @@ fn engine_answers_a_question() {
     let engine =
         MlxEngine::new(EngineConfig::new(dir).batch_size(2).worker_name("smollm2")).unwrap();
     let texts = engine
-        .generate(vec![prompts()[0].clone()], |_| {}, 12)
+        .generate(
+            vec![prompts()[0].clone()],
+            GenerateOptions::new().max_tokens(12),
+        )
+        .map(|g| g.texts)
         .unwrap();
     assert!(texts[0].contains("Paris"), "{texts:?}");
 }

@@ -1,0 +1,206 @@
+//! How an engine is configured and how one generation runs: the options
+//! the engine and batched generation share.
+
+use std::path::PathBuf;
+
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+
+use crate::model::QuantizedWeights;
+use crate::tokenizer::{Message, Tokenizer};
+
+/// Changes the logits `(batch, vocab)` of each decoding step, e.g. to allow
+/// only a set of label tokens.
+pub trait LogitsProcessor {
+    /// Returns the logits to pick the next tokens from.
+    fn process(&mut self, logits: &Array) -> Result<Array, Exception>;
+}
+
+impl<F: FnMut(&Array) -> Result<Array, Exception>> LogitsProcessor for F {
+    fn process(&mut self, logits: &Array) -> Result<Array, Exception> {
+        self(logits)
+    }
+}
+
+/// Builds the logits processor from the loaded tokenizer, on the worker.
+pub type LogitsProcessorFactory = Box<dyn FnOnce(&Tokenizer) -> Box<dyn LogitsProcessor> + Send>;
+
+/// How special-token strings inside message contents are tokenized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SpecialTokens {
+    /// As plain text (the default): a user who writes `<|im_end|>` gets the
+    /// characters, not the control token, so untrusted text cannot end its
+    /// turn or open a system message. The chat template's own special
+    /// tokens stay special.
+    #[default]
+    AsText,
+    /// As control tokens, as Hugging Face's `apply_chat_template` followed
+    /// by `encode` does (and mlx_lm with it): only for trusted content.
+    Honor,
+}
+
+/// How to start an engine: [`EngineConfig::new`] with the model folder,
+/// then the options that differ from the defaults.
+///
+/// ```no_run
+/// use mlx_engine::{EngineConfig, Message};
+///
+/// let config = EngineConfig::new("models/fused")
+///     .prefix_messages(vec![Message::new("system", "Rate the review from 1 to 5.")])
+///     .batch_size(2)
+///     .max_prompt_tokens(4096);
+/// ```
+pub struct EngineConfig {
+    pub(crate) model_dir: PathBuf,
+    pub(crate) logits_processor_factory: Option<LogitsProcessorFactory>,
+    pub(crate) prefix_messages: Vec<Message>,
+    pub(crate) batch_size: usize,
+    pub(crate) worker_name: String,
+    pub(crate) quantized: Option<QuantizedWeights>,
+    pub(crate) max_prompt_tokens: Option<usize>,
+    pub(crate) special_tokens: SpecialTokens,
+}
+
+impl EngineConfig {
+    /// An engine for the mlx_lm-format model folder `model_dir` (e.g. what
+    /// `adapter-fuse` returns), with the defaults: no prefix messages, no
+    /// logits processor, batches of 8, quantized weights held the faster way
+    /// for the device, prompts up to the model's context length, special
+    /// tokens in messages read as text.
+    pub fn new(model_dir: impl Into<PathBuf>) -> EngineConfig {
+        EngineConfig {
+            model_dir: model_dir.into(),
+            logits_processor_factory: None,
+            prefix_messages: Vec::new(),
+            batch_size: 8,
+            worker_name: "mlx-engine".to_owned(),
+            quantized: None,
+            max_prompt_tokens: None,
+            special_tokens: SpecialTokens::AsText,
+        }
+    }
+
+    /// Messages every conversation starts with; their cache is computed once.
+    pub fn prefix_messages(mut self, messages: Vec<Message>) -> EngineConfig {
+        self.prefix_messages = messages;
+        self
+    }
+
+    /// Conversations per batch (at least 1).
+    pub fn batch_size(mut self, batch_size: usize) -> EngineConfig {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// Builds the processor applied to every decoding step from the loaded
+    /// tokenizer, on the worker (e.g. to allow only label tokens).
+    pub fn logits_processor(
+        mut self,
+        factory: impl FnOnce(&Tokenizer) -> Box<dyn LogitsProcessor> + Send + 'static,
+    ) -> EngineConfig {
+        self.logits_processor_factory = Some(Box::new(factory));
+        self
+    }
+
+    /// The worker thread's name (default `mlx-engine`).
+    pub fn worker_name(mut self, name: impl Into<String>) -> EngineConfig {
+        self.worker_name = name.into();
+        self
+    }
+
+    /// How to hold quantized weights (default: the faster for the device).
+    pub fn quantized(mut self, quantized: QuantizedWeights) -> EngineConfig {
+        self.quantized = Some(quantized);
+        self
+    }
+
+    /// The longest prompt (prefix and conversation, in tokens) a
+    /// conversation may have; longer ones are
+    /// [`EngineError::PromptTooLong`]. Default: the model's
+    /// `max_position_embeddings`, else [`DEFAULT_MAX_PROMPT_TOKENS`].
+    pub fn max_prompt_tokens(mut self, tokens: usize) -> EngineConfig {
+        self.max_prompt_tokens = Some(tokens);
+        self
+    }
+
+    /// How special-token strings in message contents are tokenized
+    /// (default [`SpecialTokens::AsText`]).
+    pub fn special_tokens_in_messages(mut self, policy: SpecialTokens) -> EngineConfig {
+        self.special_tokens = policy;
+        self
+    }
+}
+
+/// The prompt limit of a model whose config names no context length.
+pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 8192;
+
+impl std::fmt::Debug for EngineConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineConfig")
+            .field("model_dir", &self.model_dir)
+            .field("prefix_messages", &self.prefix_messages)
+            .field("batch_size", &self.batch_size)
+            .field("worker_name", &self.worker_name)
+            .field("quantized", &self.quantized)
+            .field("max_prompt_tokens", &self.max_prompt_tokens)
+            .field("special_tokens", &self.special_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How one [`generate`](crate::MlxEngine::generate) call runs: how many
+/// tokens to generate (default 1: classification), and a progress callback.
+///
+/// ```
+/// use mlx_engine::GenerateOptions;
+///
+/// let options = GenerateOptions::new()
+///     .max_tokens(32)
+///     .on_progress(|done| eprintln!("{done} more conversations answered"));
+/// ```
+pub struct GenerateOptions {
+    pub(crate) max_tokens: usize,
+    pub(crate) on_progress: Box<dyn FnMut(usize) + Send>,
+}
+
+impl GenerateOptions {
+    /// One token per conversation, no progress callback.
+    pub fn new() -> GenerateOptions {
+        GenerateOptions {
+            max_tokens: 1,
+            on_progress: Box::new(|_| {}),
+        }
+    }
+
+    /// Tokens to generate per conversation at most (greedy; generation of a
+    /// conversation stops early at an end-of-sequence token).
+    pub fn max_tokens(mut self, max_tokens: usize) -> GenerateOptions {
+        self.max_tokens = max_tokens;
+        self
+    }
+
+    /// Called on the worker after each batch with the number of
+    /// conversations it answered.
+    pub fn on_progress(
+        mut self,
+        on_progress: impl FnMut(usize) + Send + 'static,
+    ) -> GenerateOptions {
+        self.on_progress = Box::new(on_progress);
+        self
+    }
+}
+
+impl Default for GenerateOptions {
+    fn default() -> GenerateOptions {
+        GenerateOptions::new()
+    }
+}
+
+impl std::fmt::Debug for GenerateOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenerateOptions")
+            .field("max_tokens", &self.max_tokens)
+            .finish_non_exhaustive()
+    }
+}
