@@ -34,6 +34,13 @@
 //! # }
 //! ```
 //!
+//! # The Python original's API, here
+//!
+//! spawnllm's `AdapterCodec` with `ZST` and `CONFIG` class attributes is an
+//! [`AdapterCodec`] value ([`AdapterCodec::new`] for files,
+//! [`AdapterCodec::embedded`] for bytes in the binary); `encode(src)`,
+//! `decode(dst)`, `digest()` and `dtype()` keep their names and results.
+//!
 //! # Errors
 //!
 //! Every [`Error`] names the file (and the tensor where there is one):

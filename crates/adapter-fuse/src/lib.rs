@@ -51,6 +51,14 @@
 //! its process) makes concurrent callers wait for one fuser and share its
 //! result.
 //!
+//! # The Python original's API, here
+//!
+//! spawnllm's `ensure_fused(model_repo, *, codec, cache_namespace,
+//! tqdm_class=None)` is [`ensure_fused`]`(model_repo, &codec,
+//! cache_namespace)`; progress goes to [`ensure_fused_with_progress`] with a
+//! closure or [`ProgressBars`]; the cache, hub and offline switch can be
+//! passed explicitly with [`FuseOptions`].
+//!
 //! # Errors
 //!
 //! [`Error`] names the repo, file and key: an adapter key without a base

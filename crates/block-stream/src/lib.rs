@@ -47,6 +47,16 @@
 //! The device policy, the bytes ↔ arrays conversions and the LoRA
 //! arithmetic the fusers use live in `mlx-support`.
 //!
+//! # The Python original's API, here
+//!
+//! | mlx-arsenal | block-stream |
+//! | --- | --- |
+//! | `BlockStreamer(paths, prefix, lora_fuser)` | `BlockStreamer::new(paths, prefix)?.with_fuser(f)` |
+//! | `block_keys(i)`, `bind(block, i, evict_previous, lora_sources)` | `block_keys(i)`, `bind(block, i, lora_sources)` (the previous block is always evicted; `with_cache_clearing`) |
+//! | `close()` | drop the streamer |
+//! | `BlockLoraSource(path, prefix, strength, key_mapper)` | `BlockLoraSource::open` / `open_with_mapper` |
+//! | `has_block(i)`, `get_block_lora_dict(i)`, `close()` | `has_block(i)`, `block_lora(i)` (or `pairs(i)`), drop |
+//!
 //! # Errors
 //!
 //! [`Error`] names the file, block and parameter: unknown blocks list the

@@ -266,7 +266,7 @@ fn cache_err(message: String) -> crate::Error {
 /// The attention mask over owned positions for a batch whose rows are
 /// left-padded by `pads[i]` slots, for `new` positions after `cached` owned
 /// ones: `(B, 1, new, cached + new)`, true where attention is allowed.
-pub fn padded_causal_mask(pads: &[usize], cached: usize, new: usize) -> Array {
+pub(crate) fn padded_causal_mask(pads: &[usize], cached: usize, new: usize) -> Array {
     let total = cached + new;
     let mut mask = Vec::with_capacity(pads.len() * new * total);
     for &pad in pads {

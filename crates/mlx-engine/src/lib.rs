@@ -43,6 +43,20 @@
 //! # }
 //! ```
 //!
+//! # The Python original's API, here
+//!
+//! | spawnllm `MlxEngine` | mlx-engine |
+//! | --- | --- |
+//! | `MlxEngine(model_dir, logits_processor_factory, prefix_messages, batch_size, worker_name)` | `MlxEngine::new(EngineConfig::new(model_dir).logits_processor(..).prefix_messages(..).batch_size(..).worker_name(..))` |
+//! | `ensure_loaded()` | `ensure_loaded()` / `ensure_loaded_async()` |
+//! | `generate(conversations, on_progress, max_tokens=1)` | `generate(conversations, GenerateOptions::new().on_progress(..).max_tokens(..))` → `Generation { texts, stats }` |
+//! | `submit(fn, *args)` | `submit(|worker| ..)`: the job gets the [`Worker`] (model, tokenizer) |
+//! | `peak_memory_gb()` | `peak_memory_bytes()` (the OS's figure, right on every platform) |
+//! | `close()` | `close()`, or drop the engine |
+//!
+//! A job given to `submit` may run the [`Model`] itself (`forward` with a
+//! [`KvCache`]): that is why both are public.
+//!
 //! # Failure policy
 //!
 //! A failed load reaches `ensure_loaded` and every later call; an error in a
@@ -65,6 +79,8 @@
 mod attention;
 mod cache;
 mod config;
+#[cfg(test)]
+mod decoder_tests;
 mod engine;
 mod error;
 mod fused;
@@ -75,7 +91,7 @@ mod model;
 mod options;
 mod tokenizer;
 
-pub use cache::{padded_causal_mask, KvCache};
+pub use cache::KvCache;
 pub use config::{ModelConfig, SUPPORTED};
 pub use engine::{MlxEngine, Reply, Worker};
 pub use error::{EngineError, Error, Result};

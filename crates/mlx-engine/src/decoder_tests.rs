@@ -1,9 +1,13 @@
 //! The decoder against itself (cache, padding, batching) and against mlx_lm.
+//! Inside the crate: they build masks and caches by hand, which the public
+//! API does not offer.
 
 use std::path::Path;
 use std::process::Command;
 
-use mlx_engine::{padded_causal_mask, Error, KvCache, Model, QuantizedWeights};
+use crate::cache::{padded_causal_mask, KvCache};
+use crate::error::Error;
+use crate::model::{Model, QuantizedWeights};
 use mlx_rs::{Array, Dtype};
 
 fn normal(shape: &[i32], seed: u64, std: f32) -> Array {
