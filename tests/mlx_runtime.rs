@@ -87,3 +87,50 @@ fn test_binary_runs_from_a_fresh_environment() -> Result<()> {
     assert!(stdout.contains("1 passed"), "unexpected output:\n{stdout}");
     Ok(())
 }
+
+/// Runs the BLAS probe with `coretype` (or the environment's choice) and
+/// returns the kernels it reports and its checksum.
+fn blas_probe(coretype: Option<&str>) -> Result<(String, f32)> {
+    let mut probe = Command::new(env!("CARGO_BIN_EXE_blas-probe"));
+    match coretype {
+        Some(core) => probe.env("OPENBLAS_CORETYPE", core),
+        None => probe.env_remove("OPENBLAS_CORETYPE"),
+    };
+    let out = probe.output()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (kernels, sum) = text.trim().split_once(' ').expect("two fields");
+    Ok((kernels.to_owned(), sum.parse()?))
+}
+
+/// The kernels OpenBLAS runs are visible to the program, and setting
+/// `OPENBLAS_CORETYPE` to the best this CPU has (what `cargo xtask` and
+/// `reexec_with_best_kernels` do when OpenBLAS falls back to generic ones)
+/// selects those kernels, with the same results.
+#[test]
+fn openblas_kernels_are_reported_and_follow_the_coretype() -> Result<()> {
+    let (default, sum) = blas_probe(None)?;
+    if mlx_sys::BLAS != "openblas" {
+        assert_eq!(default, "none");
+        return Ok(());
+    }
+    assert_ne!(default, "none", "libmlx runs OpenBLAS here");
+    let Some(best) = mlx_support::best_coretype() else {
+        eprintln!("SKIP the coretype half: this CPU has no kernels beyond the generic ones");
+        return Ok(());
+    };
+    let (chosen, best_sum) = blas_probe(Some(best))?;
+    assert!(
+        chosen.eq_ignore_ascii_case(best),
+        "OPENBLAS_CORETYPE={best} ran {chosen}"
+    );
+    assert!(
+        (sum - best_sum).abs() <= 1e-3 * sum.abs(),
+        "{sum} vs {best_sum}"
+    );
+    Ok(())
+}

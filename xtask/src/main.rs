@@ -196,6 +196,7 @@ fn run(cli: Cli) -> Result<()> {
                 // Read by the interop tests (they fall back to `python3`).
                 std::env::set_var(INTEROP_PYTHON_VAR, python);
             }
+            fast_blas();
             // The real model; tests that need it skip, saying so, without it.
             match fixtures::ensure() {
                 Ok(dir) => std::env::set_var("MLX_LOWMEM_SMOLLM2", dir),
@@ -208,6 +209,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Demo { mut args } => {
             prereqs::ensure()?;
+            fast_blas();
             let help = args.iter().any(|a| a == "--help" || a == "-h");
             if !help && !args.iter().any(|a| a == "--model-dir") {
                 let dir = fixtures::ensure()?;
@@ -239,6 +241,7 @@ fn run(cli: Cli) -> Result<()> {
 
 fn bench(which: Bench, args: &[String]) -> Result<()> {
     prereqs::ensure()?;
+    fast_blas();
     let all = which == Bench::All;
     if all || which == Bench::Matmul {
         cargo(&["bench", "--package", "demo", "--bench", "matmul"], &[])?;
@@ -271,6 +274,51 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// Makes the programs this command runs use the best OpenBLAS kernels the
+/// CPU has. OpenBLAS chooses its kernels when it loads, from the CPU's model
+/// number, and an old release falls back to generic ones on a CPU it does
+/// not know; `OPENBLAS_CORETYPE` overrides that, but only if it is set before
+/// the program starts. xtask cannot load MLX itself (it builds before MLX's
+/// prerequisites exist), so it asks mlx-support's `blas` example, the one
+/// place that knows, and sets the variable for every cargo command after.
+/// A variable already set by the machine is kept.
+fn fast_blas() {
+    if std::env::var_os("OPENBLAS_CORETYPE").is_some() {
+        eprintln!("xtask: OPENBLAS_CORETYPE is set by the environment; kept");
+        return;
+    }
+    let out = Command::new(cargo_bin())
+        .args([
+            "run",
+            "--quiet",
+            "--package",
+            "mlx-support",
+            "--example",
+            "blas",
+            "--",
+            "--env",
+        ])
+        .stderr(std::process::Stdio::inherit())
+        .output();
+    let text = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        _ => {
+            eprintln!(
+                "xtask: warning: could not ask OpenBLAS which kernels it runs; left as they are"
+            );
+            return;
+        }
+    };
+    match text.trim().strip_prefix("OPENBLAS_CORETYPE=") {
+        Some(core) => {
+            eprintln!("xtask: OpenBLAS would run generic kernels on this CPU; OPENBLAS_CORETYPE={core} for what follows");
+            // Single-threaded here: nothing reads the environment concurrently.
+            std::env::set_var("OPENBLAS_CORETYPE", core);
+        }
+        None => eprintln!("xtask: OpenBLAS picks the right kernels for this CPU by itself"),
+    }
 }
 
 /// fmt, clippy, doc-tests, then all other tests. MLX is not thread-safe, so

@@ -7,7 +7,12 @@ use mlx_rs::Dtype;
 
 fn main() -> anyhow::Result<()> {
     mlx_support::use_device(mlx_support::best_device())?;
-    println!("BLAS: {}", mlx_sys::BLAS);
+    println!(
+        "BLAS: {}, kernels {} (OPENBLAS_CORETYPE {})",
+        mlx_sys::BLAS,
+        mlx_support::kernels_in_use().unwrap_or_else(|| "none (no OpenBLAS)".into()),
+        std::env::var("OPENBLAS_CORETYPE").unwrap_or_else(|_| "unset".into())
+    );
     for n in [256, 1024] {
         for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
             let report = demo::matmul_gflops(n, dtype, 2, 9)?;

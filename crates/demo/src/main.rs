@@ -22,6 +22,9 @@ use mlx_rs::Dtype;
 use mlx_support::{best_device, use_device};
 
 fn main() -> Result<()> {
+    // OpenBLAS picked its kernels when libmlx loaded; on a CPU it does not
+    // know, come back with the best ones this CPU has.
+    mlx_support::reexec_with_best_kernels()?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     // The streaming measurements' child processes (an internal protocol).
     if child_main(&args)? {
@@ -51,6 +54,12 @@ fn main() -> Result<()> {
     );
     println!("device: {device}");
     println!("BLAS: {} (libmlx from {})", mlx_sys::BLAS, mlx_sys::LIB_DIR);
+    println!(
+        "BLAS kernels: {} (best for this CPU: {}; OPENBLAS_CORETYPE {})",
+        mlx_support::kernels_in_use().unwrap_or_else(|| "none (no OpenBLAS)".into()),
+        mlx_support::best_coretype().unwrap_or("generic"),
+        std::env::var("OPENBLAS_CORETYPE").unwrap_or_else(|_| "unset".into())
+    );
     for dtype in [Dtype::Float32, Dtype::Bfloat16] {
         let report = demo::matmul_gflops(1024, dtype, 2, 5)?;
         println!(

@@ -124,6 +124,13 @@ fn main() {
         return;
     };
     let n: usize = list(&args, "--conversations", "256")[0].parse().unwrap();
+    // Figures from different machines are read with the kernels beside them.
+    println!(
+        "BLAS: {}, kernels {} (OPENBLAS_CORETYPE {}; ours and mlx_lm run under the same)",
+        mlx_sys::BLAS,
+        mlx_support::kernels_in_use().unwrap_or_else(|| "none (no OpenBLAS)".into()),
+        std::env::var("OPENBLAS_CORETYPE").unwrap_or_else(|_| "unset".into())
+    );
     let python = std::env::var("MLX_LOWMEM_PYTHON").ok();
     let work = tempfile::tempdir().unwrap();
     let convs_path = work.path().join("conversations.json");

@@ -1,8 +1,9 @@
 //! The MLX pieces every MLX-using crate of this workspace shares, each
 //! written once: arrays from safetensors bytes and back, the device policy,
 //! the process's memory as the OS reports it, mlx_lm's quantization config
-//! (per-module overrides included) and the LoRA arithmetic that fuses an
-//! adapter into a dense or quantized weight.
+//! (per-module overrides included), the LoRA arithmetic that fuses an
+//! adapter into a dense or quantized weight, and which BLAS kernels run
+//! ([`kernels_in_use`], [`reexec_with_best_kernels`]).
 //!
 //! Why a crate of its own: block-stream (streaming), adapter-fuse (fusing)
 //! and mlx-engine (serving) each need these, and none of them should depend
@@ -35,6 +36,7 @@
 //! unusable quantization entries, LoRA pairs that do not fit their weight.
 //! Device choices have their own [`DeviceError`].
 
+mod blas;
 mod bytes;
 mod device;
 mod error;
@@ -42,6 +44,9 @@ mod lora;
 mod memory;
 mod quant;
 
+pub use blas::{
+    best_coretype, kernels_in_use, reexec_with_best_kernels, runs_generic_kernels, CpuFeatures,
+};
 pub use bytes::{array_from_bytes, array_to_bytes, checked_dtype, checked_shape, mlx_dtype_of};
 pub use device::{
     best_device, current_device, is_available, mlx_version, use_device, ComputeDevice, DeviceError,

@@ -1,0 +1,171 @@
+//! Which OpenBLAS kernels the process runs, and the best ones its CPU has.
+//!
+//! On Linux, MLX's CPU backend multiplies matrices with OpenBLAS, which
+//! picks its kernels once, when the library loads, from the CPU's model
+//! number. A release that does not know a newer CPU falls back to generic
+//! kernels (Debian 12's OpenBLAS 0.3.21 runs "Prescott" on a Xeon of family
+//! 6, model 207, about a sixth of the speed of its "SkylakeX" kernels there).
+//! The environment variable `OPENBLAS_CORETYPE` overrides the choice, but
+//! only before the library loads, and libmlx loads it with the program. So
+//! a program asks here, first thing in `main`, and re-executes itself with
+//! the variable set ([`reexec_with_best_kernels`]); or whoever starts the
+//! program sets the variable to [`best_coretype`]'s answer.
+
+use std::ffi::CStr;
+
+/// The kernels OpenBLAS chose for this process (e.g. `Zen`, `SkylakeX`,
+/// `Prescott`), or `None` when the process runs no OpenBLAS (macOS's
+/// Accelerate, the wheel's reference BLAS).
+pub fn kernels_in_use() -> Option<String> {
+    #[cfg(unix)]
+    {
+        // SAFETY: dlsym with RTLD_DEFAULT only looks the name up among the
+        // libraries already loaded; a null result means none exports it.
+        let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"openblas_get_corename".as_ptr()) };
+        if symbol.is_null() {
+            return None;
+        }
+        // SAFETY: OpenBLAS exports `char *openblas_get_corename(void)`,
+        // which returns a static NUL-terminated string.
+        let name = unsafe {
+            let get: extern "C" fn() -> *const libc::c_char = std::mem::transmute(symbol);
+            let ptr = get();
+            if ptr.is_null() {
+                return None;
+            }
+            CStr::from_ptr(ptr)
+        };
+        Some(name.to_string_lossy().into_owned())
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// What decides the best kernels: the CPU's vendor and vector extensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuFeatures {
+    /// `AuthenticAMD` (or Hygon) rather than Intel.
+    pub amd: bool,
+    /// AVX2 and FMA.
+    pub avx2_fma: bool,
+    /// The AVX-512 subsets OpenBLAS's SkylakeX kernels use: F, CD, BW, DQ, VL.
+    pub avx512: bool,
+}
+
+impl CpuFeatures {
+    /// This machine's.
+    pub fn detect() -> CpuFeatures {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // CPUID leaf 0 (the vendor) exists on every x86-64 processor.
+            let leaf0 = std::arch::x86_64::__cpuid(0);
+            let vendor: Vec<u8> = [leaf0.ebx, leaf0.edx, leaf0.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .collect();
+            CpuFeatures {
+                amd: vendor == b"AuthenticAMD" || vendor == b"HygonGenuine",
+                avx2_fma: is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+                avx512: is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512cd")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512dq")
+                    && is_x86_feature_detected!("avx512vl"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            CpuFeatures::default()
+        }
+    }
+
+    /// The `OPENBLAS_CORETYPE` these features support best, among the
+    /// kernels every OpenBLAS since 0.3.10 has: `SKYLAKEX` with AVX-512,
+    /// `ZEN` or `HASWELL` with AVX2 and FMA, none otherwise.
+    pub fn best_coretype(self) -> Option<&'static str> {
+        match self {
+            CpuFeatures { avx512: true, .. } => Some("SKYLAKEX"),
+            CpuFeatures {
+                avx2_fma: true,
+                amd: true,
+                ..
+            } => Some("ZEN"),
+            CpuFeatures { avx2_fma: true, .. } => Some("HASWELL"),
+            _ => None,
+        }
+    }
+}
+
+/// [`CpuFeatures::best_coretype`] of this machine.
+pub fn best_coretype() -> Option<&'static str> {
+    CpuFeatures::detect().best_coretype()
+}
+
+/// Whether OpenBLAS runs generic kernels (pre-AVX2 ones) on a CPU that has
+/// better: what happens when the library does not know the CPU.
+pub fn runs_generic_kernels() -> bool {
+    let generic = [
+        "Prescott",
+        "Core2",
+        "Nehalem",
+        "Penryn",
+        "Dunnington",
+        "Atom",
+        "Barcelona",
+    ];
+    match (kernels_in_use(), best_coretype()) {
+        (Some(core), Some(_)) => generic.iter().any(|g| core.eq_ignore_ascii_case(g)),
+        _ => false,
+    }
+}
+
+/// For a program's `main`, before anything else: when OpenBLAS picked
+/// generic kernels on a CPU that has better and `OPENBLAS_CORETYPE` is not
+/// set, re-executes the program with it set to [`best_coretype`] (Unix:
+/// the process image is replaced, same arguments, same process id).
+/// Returns when nothing needs doing, or with the error that kept the
+/// re-execution from happening.
+pub fn reexec_with_best_kernels() -> std::io::Result<()> {
+    if std::env::var_os("OPENBLAS_CORETYPE").is_some() || !runs_generic_kernels() {
+        return Ok(());
+    }
+    let Some(core) = best_coretype() else {
+        return Ok(());
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        let exe = std::env::current_exe()?;
+        let err = std::process::Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .env("OPENBLAS_CORETYPE", core)
+            .exec();
+        Err(err)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = core;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_best_kernels_follow_the_features_not_the_model() {
+        let f = |amd, avx2_fma, avx512| CpuFeatures {
+            amd,
+            avx2_fma,
+            avx512,
+        };
+        assert_eq!(f(false, true, true).best_coretype(), Some("SKYLAKEX"));
+        assert_eq!(f(true, true, true).best_coretype(), Some("SKYLAKEX"));
+        assert_eq!(f(true, true, false).best_coretype(), Some("ZEN"));
+        assert_eq!(f(false, true, false).best_coretype(), Some("HASWELL"));
+        assert_eq!(f(false, false, false).best_coretype(), None);
+    }
+}
