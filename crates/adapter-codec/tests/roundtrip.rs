@@ -5,7 +5,7 @@ mod common;
 use std::process::Command;
 
 use adapter_codec::{AdapterCodec, Dtype};
-use common::{adapter, fixture};
+use common::{adapter, fixture, python_with_zstandard};
 use proptest::prelude::*;
 use safetensors::Dtype as St;
 
@@ -154,14 +154,9 @@ fn levels_are_configurable_and_checked() {
 #[test]
 fn python_zstandard_produces_the_same_frame() {
     // `cargo xtask test` provides a venv with the reference's zstandard.
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python)
-        .args(["-c", "import zstandard"])
-        .output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        eprintln!("SKIP python_zstandard_produces_the_same_frame: {python} lacks `zstandard`");
+    let Some(python) = python_with_zstandard("python_zstandard_produces_the_same_frame") else {
         return;
-    }
+    };
     let bytes = adapter(&[("a", St::BF16, 70_000), ("b", St::BF16, 1234)]);
     let f = fixture(&bytes);
     f.codec.encode(&f.src).unwrap();
@@ -245,14 +240,9 @@ fn big_adapter(dtype: St, tensors: usize, elements: usize) -> Vec<u8> {
 /// `tests/reference/encode.py` does what the Python original does, with
 /// its zstd binding.
 fn reference_encoder_agrees_past_the_window(dtype: St, name: &str) {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python)
-        .args(["-c", "import zstandard"])
-        .output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        eprintln!("SKIP {name}: {python} lacks `zstandard`");
+    let Some(python) = python_with_zstandard(name) else {
         return;
-    }
+    };
     // 34 MB of tensors: four zstd windows and more.
     let bytes_per = if dtype == St::F32 { 4 } else { 2 };
     let bytes = big_adapter(dtype, 16, (34 << 20) / 16 / bytes_per);

@@ -68,7 +68,12 @@ impl PassReport {
 
 fn pass(path: &Path, spec: Spec, mode: Mode, rows: i32) -> Result<PassReport> {
     let start = Instant::now();
-    let mut streamer = BlockStreamer::new([path], PREFIX)?.with_prefetch(mode == Mode::Prefetched);
+    // All-loaded keeps every block: nothing is freed, so there is no cache
+    // worth returning after each bind (the original passes no
+    // `evict_previous` there either).
+    let mut streamer = BlockStreamer::new([path], PREFIX)?
+        .with_prefetch(mode == Mode::Prefetched)
+        .with_cache_clearing(mode != Mode::AllLoaded);
     // The non-block parameters stay resident in every mode, as in a model.
     let embed = streamer.tensor("transformer.embed.weight")?;
     let mut x = embed.index(0..rows);

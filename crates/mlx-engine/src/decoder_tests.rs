@@ -223,26 +223,30 @@ fn left_padded_batch_equals_one_at_a_time() {
     }
 }
 
-#[test]
-fn quantized_weights_kept_or_dequantized_agree() {
-    let dir = tempfile::tempdir().unwrap();
-    write_model(dir.path(), "llama");
-    // Quantize every projection to 4 bits, group 32, as mlx_lm would.
-    let set = st_mmap::SafetensorsSet::open_dir(dir.path()).unwrap();
+/// A copy of the model in `dir` whose weights `plan` quantizes (key →
+/// group size and bits, `None` to keep it), as mlx_lm saves them, with
+/// `quantization` as its config's entry.
+fn quantized_copy(
+    dir: &Path,
+    plan: impl Fn(&str) -> Option<(i32, i32)>,
+    quantization: serde_json::Value,
+) -> tempfile::TempDir {
+    let set = st_mmap::SafetensorsSet::open_dir(dir).unwrap();
     let mut out = Vec::new();
     for key in set.keys() {
         let v = set.tensor(key).unwrap();
         let a = mlx_support::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap();
-        if key.ends_with("proj.weight") {
-            let (w, s, b) = mlx_rs::ops::quantize(&a, 32, 4).unwrap();
-            let base = key.trim_end_matches(".weight");
-            out.extend([
-                (key.to_owned(), w),
-                (format!("{base}.scales"), s),
-                (format!("{base}.biases"), b),
-            ]);
-        } else {
-            out.push((key.to_owned(), a));
+        match plan(key) {
+            Some((group, bits)) => {
+                let (w, s, b) = mlx_rs::ops::quantize(&a, group, bits).unwrap();
+                let base = key.trim_end_matches(".weight");
+                out.extend([
+                    (key.to_owned(), w),
+                    (format!("{base}.scales"), s),
+                    (format!("{base}.biases"), b),
+                ]);
+            }
+            None => out.push((key.to_owned(), a)),
         }
     }
     drop(set);
@@ -254,9 +258,22 @@ fn quantized_weights_kept_or_dequantized_agree() {
     )
     .unwrap();
     let mut config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap()).unwrap();
-    config["quantization"] = serde_json::json!({"group_size": 32, "bits": 4});
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    config["quantization"] = quantization;
     std::fs::write(qdir.path().join("config.json"), config.to_string()).unwrap();
+    qdir
+}
+
+#[test]
+fn quantized_weights_kept_or_dequantized_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), "llama");
+    // Quantize every projection to 4 bits, group 32, as mlx_lm would.
+    let qdir = quantized_copy(
+        dir.path(),
+        |key| key.ends_with("proj.weight").then_some((32, 4)),
+        serde_json::json!({"group_size": 32, "bits": 4}),
+    );
 
     let logits = |mode| {
         let model = Model::load(qdir.path(), mode).unwrap();
@@ -291,19 +308,44 @@ fn unknown_architecture_lists_the_supported_ones() {
     );
 }
 
+/// The interop Python (`cargo xtask test` provides one with mlx_lm), or
+/// `None`, said on stderr, when it lacks mlx_lm.
+fn mlx_lm_python(test: &str) -> Option<String> {
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = Command::new(&python)
+        .args(["-c", "import mlx_lm"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has {
+        eprintln!("SKIP {test}: {python} lacks mlx_lm (cargo xtask test provides it)");
+    }
+    has.then_some(python)
+}
+
+/// mlx_lm's last-position logits for `PROMPT` on the model in `dir`.
+fn mlx_lm_logits(python: &str, dir: &Path) -> Vec<f32> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_logits.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .arg(dir)
+        .args(PROMPT.iter().map(|t| t.to_string()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// Same logits as mlx_lm's own implementation of each architecture.
 #[test]
 fn logits_match_mlx_lm() {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    if !Command::new(&python)
-        .args(["-c", "import mlx_lm"])
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        eprintln!("SKIP logits_match_mlx_lm: {python} lacks mlx_lm (cargo xtask test provides it)");
+    let Some(python) = mlx_lm_python("logits_match_mlx_lm") else {
         return;
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_logits.py");
+    };
     for arch in ["llama", "mistral", "qwen2", "qwen3"] {
         let dir = tempfile::tempdir().unwrap();
         write_model(dir.path(), arch);
@@ -314,18 +356,7 @@ fn logits_match_mlx_lm() {
                 .unwrap(),
             0,
         );
-        let out = Command::new(&python)
-            .arg(&script)
-            .arg(dir.path())
-            .args(PROMPT.iter().map(|t| t.to_string()))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{arch}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let theirs: Vec<f32> = serde_json::from_slice(&out.stdout).unwrap();
+        let theirs = mlx_lm_logits(&python, dir.path());
         assert_close(&ours, &theirs, 1e-4, &format!("{arch} vs mlx_lm"));
     }
 }
@@ -453,56 +484,31 @@ fn stacked_caches_decode_like_each_row_alone() {
 /// per-module entries it loaded such a model with the default everywhere.
 #[test]
 fn mixed_precision_checkpoints_match_mlx_lm() {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    if !Command::new(&python)
-        .args(["-c", "import mlx_lm"])
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        eprintln!(
-            "SKIP mixed_precision_checkpoints_match_mlx_lm: {python} lacks mlx_lm (cargo xtask test provides it)"
-        );
+    let Some(python) = mlx_lm_python("mixed_precision_checkpoints_match_mlx_lm") else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), "llama");
     let eight = "model.layers.0.self_attn.q_proj";
     let float = "model.layers.1.mlp.down_proj";
-    let set = st_mmap::SafetensorsSet::open_dir(dir.path()).unwrap();
-    let mut out = Vec::new();
-    for key in set.keys() {
-        let v = set.tensor(key).unwrap();
-        let a = mlx_support::array_from_bytes(key, v.dtype, v.shape, v.data).unwrap();
-        let base = key.trim_end_matches(".weight");
-        let quantized = key.ends_with("proj.weight") || key == "model.embed_tokens.weight";
-        if quantized && base != float {
-            let (group, bits) = if base == eight { (64, 8) } else { (32, 4) };
-            let (w, s, b) = mlx_rs::ops::quantize(&a, group, bits).unwrap();
-            out.extend([
-                (key.to_owned(), w),
-                (format!("{base}.scales"), s),
-                (format!("{base}.biases"), b),
-            ]);
-        } else {
-            out.push((key.to_owned(), a));
-        }
-    }
-    drop(set);
-    let qdir = tempfile::tempdir().unwrap();
-    Array::save_safetensors(
-        out.iter().map(|(k, v)| (k.as_str(), v)),
-        None,
-        qdir.path().join("model.safetensors"),
-    )
-    .unwrap();
-    let mut config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap()).unwrap();
-    config["quantization"] = serde_json::json!({
-        "group_size": 32, "bits": 4,
-        eight: {"group_size": 64, "bits": 8},
-        float: false,
-    });
-    std::fs::write(qdir.path().join("config.json"), config.to_string()).unwrap();
+    let qdir = quantized_copy(
+        dir.path(),
+        |key| {
+            let base = key.trim_end_matches(".weight");
+            let quantized = key.ends_with("proj.weight") || key == "model.embed_tokens.weight";
+            match (quantized, base) {
+                (false, _) => None,
+                (true, b) if b == float => None,
+                (true, b) if b == eight => Some((64, 8)),
+                (true, _) => Some((32, 4)),
+            }
+        },
+        serde_json::json!({
+            "group_size": 32, "bits": 4,
+            eight: {"group_size": 64, "bits": 8},
+            float: false,
+        }),
+    );
 
     let model = Model::load(qdir.path(), QuantizedWeights::DequantizeOnUse).unwrap();
     let ours = last_logits(
@@ -511,18 +517,6 @@ fn mixed_precision_checkpoints_match_mlx_lm() {
             .unwrap(),
         0,
     );
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_logits.py");
-    let out = Command::new(&python)
-        .arg(&script)
-        .arg(qdir.path())
-        .args(PROMPT.iter().map(|t| t.to_string()))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<f32> = serde_json::from_slice(&out.stdout).unwrap();
+    let theirs = mlx_lm_logits(&python, qdir.path());
     assert_close(&ours, &theirs, 1e-4, "mixed precision vs mlx_lm");
 }

@@ -79,3 +79,17 @@ pub fn listing(dir: &Path) -> Vec<String> {
     names.sort();
     names
 }
+
+/// The interop Python (`cargo xtask test` provides one), or `None`, said on
+/// stderr, when it cannot `import zstandard`.
+pub fn python_with_zstandard(test: &str) -> Option<String> {
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = std::process::Command::new(&python)
+        .args(["-c", "import zstandard"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has {
+        eprintln!("SKIP {test}: {python} lacks `zstandard`");
+    }
+    has.then_some(python)
+}
