@@ -457,3 +457,33 @@ fn cargo(args: &[&str], extra: &[String]) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::report;
+
+    /// An error whose message repeats its source's, as the crates' errors do.
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+
+    impl std::fmt::Display for Outer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "x.zst: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn causes_already_said_are_not_repeated() {
+        let inner = std::io::Error::other("disk full");
+        let error = anyhow::Error::new(Outer(inner)).context("encoding");
+        assert_eq!(report(&error), "encoding: x.zst: disk full");
+        let plain = anyhow::anyhow!("a").context("b");
+        assert_eq!(report(&plain), "b: a");
+    }
+}

@@ -507,6 +507,72 @@ fn missing_scale_is_an_error() {
         matches!(&err, Error::Adapter { message, .. } if message.contains("scale")),
         "{err}"
     );
+    // The error names the config the application shipped, not the decoded
+    // copy in the fuse's work folder (gone by the time the error is read).
+    assert!(
+        matches!(&err, Error::Adapter { path, .. } if path == codec.config_path()),
+        "{err:?}"
+    );
+    assert!(!err.to_string().contains(".fuse-"), "{err}");
+}
+
+/// Writes the fixture's adapter with every value of `lora_b` set to `value`.
+fn adapter_with_b(dir: &std::path::Path, value: f32, config: &str) -> adapter_codec::AdapterCodec {
+    let a = values(11, IN * RANK, 0.5);
+    let weights = safetensors_bytes(&[
+        (
+            &format!("{Q}.lora_a"),
+            safetensors::Dtype::F32,
+            vec![IN, RANK],
+            f32_bytes(&a),
+        ),
+        (
+            &format!("{Q}.lora_b"),
+            safetensors::Dtype::F32,
+            vec![RANK, OUT],
+            f32_bytes(&vec![value; RANK * OUT]),
+        ),
+    ]);
+    encode_adapter(dir, weights, config)
+}
+
+#[test]
+fn non_finite_adapters_are_errors_and_publish_nothing() {
+    for (value, config) in [
+        // A NaN in the adapter.
+        (f32::NAN, CONFIG),
+        // Values whose product overflows f32.
+        (3e38, CONFIG),
+    ] {
+        let s = setup();
+        dense_base(&s.root);
+        let codec = adapter_with_b(&s.adapter_dir, value, config);
+        let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
+        assert!(
+            matches!(&err, Error::NotFinite { module, .. } if module == Q),
+            "{value}: {err}"
+        );
+        let entry = s
+            .root
+            .join(format!("models--{NS}-{}", codec.digest().unwrap()));
+        assert!(
+            !entry.join("refs/main").exists(),
+            "{value}: an entry was published"
+        );
+    }
+    // A scale that is not a finite f32 (1e308 overflows it).
+    let s = setup();
+    dense_base(&s.root);
+    let codec = adapter_with_b(
+        &s.adapter_dir,
+        0.5,
+        r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 4, "scale": 1e308}}"#,
+    );
+    let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
+    assert!(
+        matches!(&err, Error::Adapter { message, .. } if message.contains("finite")),
+        "{err}"
+    );
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use mlx_rs::Array;
 use mlx_support::{fuse_lora, LinearWeights, Lora, LoraLayout, Quantization};
-use st_mmap::{BlockPrefix, SafetensorsFile, TensorInfo};
+use st_mmap::{BlockPrefix, Header, TensorInfo};
 
 use crate::error::{Error, Result};
 use crate::mapped::{array_over, MappedRange, TensorAt};
@@ -39,7 +39,8 @@ pub struct BlockLoraSource {
     strength: f32,
     /// Block → param → (key of A, key of B), keys as stored in the file.
     pairs: BTreeMap<usize, BTreeMap<String, (String, String)>>,
-    file: SafetensorsFile,
+    header: Header,
+    /// The whole file, mapped once (privately, for zero-copy arrays).
     range: Arc<MappedRange>,
 }
 
@@ -58,11 +59,32 @@ impl BlockLoraSource {
         key_mapper: impl Fn(&str) -> Option<String>,
     ) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let st = SafetensorsFile::open(&path)?;
+        // One private mapping of the whole file serves the header and every
+        // array made from it.
+        let io = |source| {
+            Error::Safetensors(st_mmap::Error::Io {
+                path: path.clone(),
+                source,
+            })
+        };
+        let file = std::fs::File::open(&path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let header_err = |source| {
+            Error::Safetensors(st_mmap::Error::Header {
+                path: path.clone(),
+                source,
+            })
+        };
+        if len < 8 {
+            // Too short to map and read: a mapping past a file's end faults.
+            return Err(header_err(st_mmap::HeaderError::TooShort { file_len: len }));
+        }
+        let range = MappedRange::map(&path, &file, 0, len)?;
+        let header = st_mmap::parse_header(range.bytes(), len).map_err(header_err)?;
         let prefix = BlockPrefix::new(block_prefix);
         let mut halves: BTreeMap<(usize, String), (Option<String>, Option<String>)> =
             BTreeMap::new();
-        for info in st.header().tensors() {
+        for info in header.tensors() {
             let Some(mapped) = key_mapper(&info.name) else {
                 continue;
             };
@@ -81,12 +103,11 @@ impl BlockLoraSource {
                 pairs.entry(block).or_default().insert(param, (a, b));
             }
         }
-        let range = MappedRange::map(&path, st.file(), 0, st.header().file_len() as u64)?;
         Ok(BlockLoraSource {
             path,
             strength,
             pairs,
-            file: st,
+            header,
             range,
         })
     }
@@ -108,7 +129,7 @@ impl BlockLoraSource {
 
     /// Block `idx`'s pairs, sorted by parameter.
     pub fn pairs(&self, idx: usize) -> Result<Vec<LoraPair>> {
-        let (st, range) = (&self.file, &self.range);
+        let (header, range) = (&self.header, &self.range);
         let Some(params) = self.pairs.get(&idx) else {
             return Ok(Vec::new());
         };
@@ -116,8 +137,8 @@ impl BlockLoraSource {
             .iter()
             .map(|(param, (a, b))| {
                 let load = |key: &str| -> Result<Array> {
-                    let info: &TensorInfo = st.header().tensor(key).expect("indexed key");
-                    let start = (st.header().data_start() + info.data_offsets.0) as u64;
+                    let info: &TensorInfo = header.tensor(key).expect("indexed key");
+                    let start = (header.data_start() + info.data_offsets.0) as u64;
                     let tensor = TensorAt {
                         key,
                         dtype: info.dtype,

@@ -38,6 +38,11 @@ unsafe impl Send for MappedRange {}
 unsafe impl Sync for MappedRange {}
 
 impl MappedRange {
+    /// The mapped bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
     /// Maps bytes `start..end` of `file` (the memory-map contract of
     /// `st_mmap::SafetensorsFile::open` applies: the file must not change).
     pub(crate) fn map(path: &Path, file: &File, start: u64, end: u64) -> Result<Arc<MappedRange>> {
