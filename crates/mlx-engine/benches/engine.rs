@@ -1,7 +1,11 @@
 //! The engine against mlx_lm's `batch_generate` (`cargo xtask bench engine`):
 //! conversations sharing a ~200-token system prompt, user messages of 20–120
 //! tokens, SmolLM2-135M (the fixture `cargo xtask fixtures` imports), each
-//! configuration in a fresh process for its peak RSS.
+//! configuration in a fresh process for its peak RSS. The `mlx_lm` row does
+//! what the original engine does (conversations sorted by length, one
+//! `batch_generate` call per chunk of the batch size, the prefix cache
+//! deep-copied per conversation); the `mlx_lm one call` row hands them all
+//! to one call, as this benchmark did before.
 //!
 //! Arguments: `--conversations N` (256), `--batches 1,8,32`, `--max-tokens
 //! 1,32`, `--variants f32,q4`.
@@ -159,30 +163,38 @@ fn main() {
                     &String::from_utf8_lossy(&ours.stdout),
                 );
                 if let Some(python) = &python {
-                    let script =
-                        Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/mlx_lm_batch.py");
-                    let theirs = Command::new(python)
-                        .arg(script)
-                        .arg(&dir)
-                        .arg(&convs_path)
-                        .args([batch.clone(), max_tokens.clone()])
-                        .output()
-                        .unwrap();
-                    let text = String::from_utf8_lossy(&theirs.stdout);
-                    let line = text.lines().last().unwrap_or_default().to_owned();
-                    if theirs.status.success() {
-                        report(
-                            &format!("{variant} max_tokens {max_tokens} batch {batch:>2} mlx_lm"),
-                            &line,
-                        );
-                    } else {
-                        println!(
-                            "mlx_lm failed: {}",
-                            String::from_utf8_lossy(&theirs.stderr)
-                                .lines()
-                                .last()
-                                .unwrap_or_default()
-                        );
+                    // The original's way first (a batch_generate call per
+                    // chunk), then every conversation in one call.
+                    for (mode, label) in [("per-chunk", "mlx_lm"), ("one-call", "mlx_lm one call")]
+                    {
+                        let script =
+                            Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/mlx_lm_batch.py");
+                        let theirs = Command::new(python)
+                            .arg(script)
+                            .arg(&dir)
+                            .arg(&convs_path)
+                            .args([batch.clone(), max_tokens.clone()])
+                            .arg(mode)
+                            .output()
+                            .unwrap();
+                        let text = String::from_utf8_lossy(&theirs.stdout);
+                        let line = text.lines().last().unwrap_or_default().to_owned();
+                        if theirs.status.success() {
+                            report(
+                                &format!(
+                                    "{variant} max_tokens {max_tokens} batch {batch:>2} {label}"
+                                ),
+                                &line,
+                            );
+                        } else {
+                            println!(
+                                "{label} failed: {}",
+                                String::from_utf8_lossy(&theirs.stderr)
+                                    .lines()
+                                    .last()
+                                    .unwrap_or_default()
+                            );
+                        }
                     }
                 }
             }
