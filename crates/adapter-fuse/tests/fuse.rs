@@ -516,26 +516,6 @@ fn missing_scale_is_an_error() {
     assert!(!err.to_string().contains(".fuse-"), "{err}");
 }
 
-/// Writes the fixture's adapter with every value of `lora_b` set to `value`.
-fn adapter_with_b(dir: &std::path::Path, value: f32, config: &str) -> adapter_codec::AdapterCodec {
-    let a = values(11, IN * RANK, 0.5);
-    let weights = safetensors_bytes(&[
-        (
-            &format!("{Q}.lora_a"),
-            safetensors::Dtype::F32,
-            vec![IN, RANK],
-            f32_bytes(&a),
-        ),
-        (
-            &format!("{Q}.lora_b"),
-            safetensors::Dtype::F32,
-            vec![RANK, OUT],
-            f32_bytes(&vec![value; RANK * OUT]),
-        ),
-    ]);
-    encode_adapter(dir, weights, config)
-}
-
 #[test]
 fn non_finite_adapters_are_errors_and_publish_nothing() {
     for (value, config) in [
@@ -546,7 +526,7 @@ fn non_finite_adapters_are_errors_and_publish_nothing() {
     ] {
         let s = setup();
         dense_base(&s.root);
-        let codec = adapter_with_b(&s.adapter_dir, value, config);
+        let (codec, _, _) = adapter_with_b(&s.adapter_dir, vec![value; RANK * OUT], config);
         let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
         assert!(
             matches!(&err, Error::NotFinite { module, .. } if module == Q),
@@ -563,9 +543,9 @@ fn non_finite_adapters_are_errors_and_publish_nothing() {
     // A scale that is not a finite f32 (1e308 overflows it).
     let s = setup();
     dense_base(&s.root);
-    let codec = adapter_with_b(
+    let (codec, _, _) = adapter_with_b(
         &s.adapter_dir,
-        0.5,
+        vec![0.5; RANK * OUT],
         r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 4, "scale": 1e308}}"#,
     );
     let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();

@@ -65,8 +65,12 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 /// The adapter: `Q.lora_a` (IN, RANK) and `Q.lora_b` (RANK, OUT), f32.
 pub fn adapter(dir: &Path, config: &str) -> (AdapterCodec, Vec<f32>, Vec<f32>) {
+    adapter_with_b(dir, values(12, RANK * OUT, 0.5), config)
+}
+
+/// [`adapter`] with `b` as the values of `lora_b`.
+pub fn adapter_with_b(dir: &Path, b: Vec<f32>, config: &str) -> (AdapterCodec, Vec<f32>, Vec<f32>) {
     let a = values(11, IN * RANK, 0.5);
-    let b = values(12, RANK * OUT, 0.5);
     let bytes = safetensors_bytes(&[
         (
             &format!("{Q}.lora_a"),
