@@ -9,19 +9,21 @@
 use mlx_rs::ops::{maximum, select};
 use mlx_rs::Array;
 
+use crate::cache::LayerMask;
 use crate::error::Result;
 use crate::fused::exp_shifted;
 
 /// `softmax(q·kᵀ·scale, masked) · v` for queries `q` `(B, heads, L, D)`.
 ///
-/// `shared` keys/values are `(kv_heads, P, D)`, visible to every query;
-/// `own` are `(B, kv_heads, T, D)`; `mask` `(B or 1, 1, L, T)` (true = may
-/// attend) applies to the owned positions only. Returns `(B, heads, L, D)`.
+/// `shared` keys/values are `(kv_heads, P, D)`, read by every row; `own`
+/// are `(B, kv_heads, T, D)`. `mask.own` `(B or 1, 1, L, T)` and
+/// `mask.shared` `(B, L, P)` (true = may attend) hide what a query may not
+/// see. Returns `(B, heads, L, D)`.
 pub(crate) fn attention(
     q: &Array,
     shared: Option<(&Array, &Array)>,
     own: (&Array, &Array),
-    mask: Option<&Array>,
+    mask: &LayerMask,
     scale: f32,
 ) -> Result<Array> {
     let (b, heads, l, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
@@ -33,7 +35,7 @@ pub(crate) fn attention(
         .multiply(Array::from_f32(scale))?
         .reshape(&[b, kv_heads, group * l, d])?;
     let mut own_scores = q.matmul(own.0.swap_axes(-1, -2)?)?;
-    if let Some(mask) = mask {
+    if let Some(mask) = &mask.own {
         let t = own.0.dim(2);
         let grouped = own_scores.reshape(&[b, kv_heads, group, l, t])?;
         let mask = mask.expand_dims(1)?;
@@ -65,7 +67,18 @@ pub(crate) fn attention(
     // The prefix's scores stay in the across-rows layout: exponentials,
     // sums and the product with the values read them contiguously, and only
     // per-query columns (maximum, sum) and the `D`-wide result change layout.
-    let shared_scores = across(&q, d)?.matmul(shared_keys.swap_axes(-1, -2)?)?;
+    let mut shared_scores = across(&q, d)?.matmul(shared_keys.swap_axes(-1, -2)?)?;
+    if let Some(mask) = &mask.shared {
+        // `(B, L, P)` against the scores' `(kv_heads, B, group, L, P)`.
+        let p = shared_keys.dim(1);
+        let grouped = shared_scores.reshape(&[kv_heads, b, group, l, p])?;
+        let mask = mask.expand_dims(1)?;
+        shared_scores = select(&mask, &grouped, Array::from_f32(f32::MIN))?.reshape(&[
+            kv_heads,
+            b * group * l,
+            p,
+        ])?;
+    }
     let max = maximum(back(max_of(&shared_scores)?, 1)?, max_of(&own_scores)?)?;
     let e_shared = exp_shifted(&shared_scores, &across(&max, 1)?)?;
     let e_own = exp_shifted(&own_scores, &max)?;

@@ -11,15 +11,46 @@ use crate::error::Result;
 /// appends in place instead of copying the whole cache at every step.
 const GROW_BY: i32 = 64;
 
-/// One layer's keys or values owned by the rows, `(B, kv_heads, capacity,
-/// head_dim)`; slots from the cache's `own_len` on are not yet written.
+/// One layer's keys and values owned by the rows, `(B, kv_heads, capacity,
+/// head_dim)`. The buffer's first slot is owned slot `start`: a layer with
+/// an attention window drops the slots no later query can see. Slots from
+/// the cache's `own_len` on are not yet written.
 #[derive(Debug, Clone)]
 struct Owned {
     keys: Array,
     values: Array,
+    start: i32,
+    window: Option<i32>,
+}
+
+impl Owned {
+    fn new(keys: Array, values: Array, window: Option<i32>) -> Owned {
+        Owned {
+            keys,
+            values,
+            start: 0,
+            window,
+        }
+    }
+}
+
+/// The masks of one layer's attention for the positions about to be
+/// appended (true = may attend): over the rows' owned slots from the
+/// layer's first kept one, `(B or 1, 1, new, kept + new)`, and over the
+/// shared prefix's kept positions, `(B, new, prefix)`. `None` where
+/// everything is visible.
+#[derive(Debug, Default)]
+pub(crate) struct LayerMask {
+    pub own: Option<Array>,
+    pub shared: Option<Array>,
 }
 
 /// Keys and values of every layer for the positions seen so far.
+///
+/// A layer with an attention window (Gemma's sliding layers) keeps only
+/// the positions a later query can still see: its memory is bounded by the
+/// window, not by the prompt. Layers that read another layer's keys and
+/// values (Gemma 4's KV-shared layers) have no entries of their own.
 ///
 /// A cache made by [`fork`](Self::fork) starts with a *shared* prefix: one
 /// copy of its keys and values, `(kv_heads, len, head_dim)` per layer, that
@@ -31,7 +62,9 @@ struct Owned {
 /// covers the owned positions only.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
-    shared: Vec<(Array, Array)>,
+    /// Per layer, `(kv_heads, kept, head_dim)`: the prefix's last `kept`
+    /// positions (all of them without a window).
+    shared: Vec<Option<(Array, Array)>>,
     shared_len: i32,
     owned: Vec<Option<Owned>>,
     own_len: i32,
@@ -103,7 +136,11 @@ impl KvCache {
             shared.clone_from(&self.shared);
         } else {
             for (layer, owned) in self.owned.iter().enumerate() {
-                let owned = owned.as_ref().ok_or_else(|| empty_layer(layer))?;
+                let Some(owned) = owned else {
+                    // A layer that reads another's keys and values.
+                    shared.push(None);
+                    continue;
+                };
                 if owned.keys.dim(0) != 1 {
                     let what = format!(
                         "only a one-row cache can be shared, this one has {} rows",
@@ -111,18 +148,28 @@ impl KvCache {
                     );
                     return Err(cache_err(what));
                 }
-                let mine = |a: &Array| a.index((0, .., ..self.own_len, ..));
-                let joined = |own: Array, shared: Option<&Array>| -> Result<Array> {
-                    Ok(match shared {
+                let filled = self.own_len - owned.start;
+                // A windowed layer that dropped slots holds at least the
+                // window's worth of them: the older prefix is not needed.
+                let before = match self.shared.get(layer) {
+                    Some(Some(s)) if owned.start == 0 => Some(s),
+                    _ => None,
+                };
+                let joined = |own: &Array, before: Option<&Array>| -> Result<Array> {
+                    let own = own.index((0, .., ..filled, ..));
+                    let all = match before {
                         Some(s) => concatenate(&[s, &own], 1)?,
                         None => own,
+                    };
+                    Ok(match owned.window {
+                        Some(w) => last_positions(&all, w - 1)?,
+                        None => all,
                     })
                 };
-                let before = self.shared.get(layer);
-                shared.push((
-                    joined(mine(&owned.keys), before.map(|s| &s.0))?,
-                    joined(mine(&owned.values), before.map(|s| &s.1))?,
-                ));
+                shared.push(Some((
+                    joined(&owned.keys, before.map(|s| &s.0))?,
+                    joined(&owned.values, before.map(|s| &s.1))?,
+                )));
             }
         }
         Ok(KvCache {
@@ -153,17 +200,36 @@ impl KvCache {
         let layer_count = parts.iter().map(|c| c.owned.len()).max().unwrap_or(0);
         let mut owned = Vec::with_capacity(layer_count);
         for layer in 0..layer_count {
+            let layers: Vec<Option<&Owned>> = parts
+                .iter()
+                .map(|p| p.owned.get(layer).and_then(Option::as_ref))
+                .collect();
+            if layers.iter().all(Option::is_none) {
+                owned.push(None);
+                continue;
+            }
+            // Part `p`'s slot `s` becomes slot `s + shift` of the stack. The
+            // stack keeps the slots every part still has (a part that
+            // dropped slots kept at least the window's worth).
+            let mut start = 0;
+            for (part, own) in parts.iter().zip(&layers) {
+                let own = own.ok_or_else(|| empty_layer(layer))?;
+                if own.start > 0 {
+                    start = start.max(own.start + own_len - part.own_len);
+                }
+            }
             let mut keys = Vec::with_capacity(parts.len());
             let mut values = Vec::with_capacity(parts.len());
-            for part in &parts {
-                let own = part
-                    .owned
-                    .get(layer)
-                    .and_then(Option::as_ref)
-                    .ok_or_else(|| empty_layer(layer))?;
+            let mut window = None;
+            for (part, own) in parts.iter().zip(&layers) {
+                let own = own.ok_or_else(|| empty_layer(layer))?;
+                window = own.window;
+                let shift = own_len - part.own_len;
+                // From the part's slot `from` on, after `pad` empty slots.
+                let from = (start - shift).max(0);
+                let pad = (shift - start).max(0);
                 let widen = |a: &Array| -> Result<Array> {
-                    let filled = a.index((.., .., ..part.own_len, ..));
-                    let pad = own_len - part.own_len;
+                    let filled = a.index((.., .., from - own.start..part.own_len - own.start, ..));
                     Ok(concatenate(
                         &[empty_slots(a, pad)?, filled, empty_slots(a, spare)?],
                         2,
@@ -175,6 +241,8 @@ impl KvCache {
             owned.push(Some(Owned {
                 keys: concatenate(&keys, 0)?,
                 values: concatenate(&values, 0)?,
+                start,
+                window,
             }));
         }
         let pads = parts
@@ -191,9 +259,60 @@ impl KvCache {
         })
     }
 
-    /// Layer `layer`'s shared keys and values, `(kv_heads, len, head_dim)`.
+    /// Layer `layer`'s shared keys and values, `(kv_heads, kept, head_dim)`.
     pub(crate) fn shared(&self, layer: usize) -> Option<(&Array, &Array)> {
-        self.shared.get(layer).map(|(k, v)| (k, v))
+        self.shared.get(layer)?.as_ref().map(|(k, v)| (k, v))
+    }
+
+    /// The first owned slot `layer` still holds.
+    fn start(&self, layer: usize) -> i32 {
+        self.owned
+            .get(layer)
+            .and_then(Option::as_ref)
+            .map_or(0, |o| o.start)
+    }
+
+    /// The masks for `new` positions about to be appended to `layer`,
+    /// whose queries see keys up to `window` positions back (themselves
+    /// included) or, without a window, all earlier ones; left padding is
+    /// hidden.
+    pub(crate) fn mask(&self, layer: usize, new: i32, window: Option<i32>) -> LayerMask {
+        let pads: &[i32] = if self.pads.is_empty() {
+            &[0]
+        } else {
+            &self.pads
+        };
+        let rows = pads.len();
+        let start = self.start(layer);
+        let keys = self.own_len + new - start;
+        let visible = |q: i32, s: i32| s <= q && window.is_none_or(|w| q - s < w);
+        let mut own = Vec::with_capacity(rows * (new * keys) as usize);
+        for &pad in pads {
+            for i in 0..new {
+                let q = self.own_len + i;
+                own.extend((start..start + keys).map(|s| s >= pad && visible(q, s)));
+            }
+        }
+        let own = (!own.iter().all(|&v| v))
+            .then(|| Array::from_slice(&own, &[rows as i32, 1, new, keys]));
+        // The prefix sits before every row's padding: query slot `q` of a
+        // row padded by `pad` is `q - pad` positions after the prefix.
+        let shared = match (window, self.shared(layer)) {
+            (Some(w), Some((k, _))) => {
+                let kept = k.dim(1);
+                let mut mask = Vec::with_capacity(rows * (new * kept) as usize);
+                for &pad in pads {
+                    for i in 0..new {
+                        let after = self.own_len + i - pad;
+                        mask.extend((0..kept).map(|j| after + kept - j < w));
+                    }
+                }
+                (!mask.iter().all(|&v| v))
+                    .then(|| Array::from_slice(&mask, &[rows as i32, new, kept]))
+            }
+            _ => None,
+        };
+        LayerMask { own, shared }
     }
 
     /// Writes `keys` and `values` `(B, kv_heads, L, head_dim)` after the
@@ -205,16 +324,19 @@ impl KvCache {
         layer: usize,
         keys: Array,
         values: Array,
+        window: Option<i32>,
     ) -> Result<(Array, Array)> {
         if self.owned.len() <= layer {
             self.owned.resize(layer + 1, None);
         }
-        let (at, new) = (self.own_len, keys.dim(2));
-        let end = at + new;
         let slot = &mut self.owned[layer];
+        let start = slot.as_ref().map_or(0, |o| o.start);
+        // Buffer positions.
+        let (at, new) = (self.own_len - start, keys.dim(2));
+        let end = at + new;
         match slot {
             None if at == 0 => {
-                *slot = Some(Owned { keys, values });
+                *slot = Some(Owned::new(keys, values, window));
             }
             None => return Err(empty_layer(layer)),
             Some(own) if own.keys.dim(2) >= end => {
@@ -229,10 +351,8 @@ impl KvCache {
                         2,
                     )?)
                 };
-                *own = Owned {
-                    keys: grow(&own.keys, &keys)?,
-                    values: grow(&own.values, &values)?,
-                };
+                own.keys = grow(&own.keys, &keys)?;
+                own.values = grow(&own.values, &values)?;
             }
         }
         let own = slot.as_ref().expect("filled above");
@@ -242,10 +362,41 @@ impl KvCache {
         ))
     }
 
-    /// Counts `new` positions appended to every layer.
-    pub(crate) fn advance(&mut self, new: i32) {
+    /// Counts `new` positions appended to every layer, and drops from
+    /// windowed layers the slots no later query can see (a window's worth
+    /// are kept; the copy is made once [`GROW_BY`] slots can go).
+    pub(crate) fn advance(&mut self, new: i32) -> Result<()> {
         self.own_len += new;
+        for own in self.owned.iter_mut().flatten() {
+            let Some(window) = own.window else { continue };
+            let keep = (window - 1).max(0);
+            let filled = self.own_len - own.start;
+            if filled - keep < GROW_BY {
+                continue;
+            }
+            // A new buffer: a slice would keep the old one alive.
+            let kept = |a: &Array| -> Result<Array> {
+                let last = a.index((.., .., filled - keep..filled, ..));
+                Ok(concatenate(&[last, empty_slots(a, GROW_BY)?], 2)?)
+            };
+            own.keys = kept(&own.keys)?;
+            own.values = kept(&own.values)?;
+            own.start = self.own_len - keep;
+        }
+        Ok(())
     }
+}
+
+/// The last `n` positions of `(kv_heads, len, head_dim)`, as an array of
+/// their own.
+fn last_positions(a: &Array, n: i32) -> Result<Array> {
+    let len = a.dim(1);
+    if len <= n {
+        return Ok(a.clone());
+    }
+    let last = a.index((.., len - n.max(0).., ..));
+    // A copy, not a view that keeps the whole prefix alive.
+    Ok(concatenate(&[last, a.index((.., 0..0, ..))], 1)?)
 }
 
 /// `n` zero positions shaped and typed like `like` `(B, kv_heads, _, head_dim)`.
@@ -261,18 +412,4 @@ fn empty_layer(layer: usize) -> crate::Error {
 
 fn cache_err(message: String) -> crate::Error {
     crate::Error::Cache(message)
-}
-
-/// The attention mask over owned positions for a batch whose rows are
-/// left-padded by `pads[i]` slots, for `new` positions after `cached` owned
-/// ones: `(B, 1, new, cached + new)`, true where attention is allowed.
-pub(crate) fn padded_causal_mask(pads: &[usize], cached: usize, new: usize) -> Array {
-    let total = cached + new;
-    let mut mask = Vec::with_capacity(pads.len() * new * total);
-    for &pad in pads {
-        for i in 0..new {
-            mask.extend((0..total).map(|j| j >= pad && j <= cached + i));
-        }
-    }
-    Array::from_slice(&mask, &[pads.len() as i32, 1, new as i32, total as i32])
 }

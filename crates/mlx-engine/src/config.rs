@@ -8,8 +8,19 @@ use mlx_support::QuantizationConfig;
 
 use crate::error::{Error, Result};
 
-/// The `model_type`s this crate implements.
-pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+/// The `model_type`s this crate implements. `gemma3` and `gemma4` are
+/// multimodal checkpoints: their text decoder runs, their vision and audio
+/// towers are skipped.
+pub const SUPPORTED: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "gemma3",
+    "gemma4_text",
+    "gemma4",
+];
 
 /// The fields of `config.json` the decoder needs.
 #[derive(Debug, Clone, Deserialize)]
@@ -39,6 +50,10 @@ pub struct ModelConfig {
     /// The context length the model was trained for, when the config says.
     #[serde(default)]
     pub max_position_embeddings: Option<usize>,
+    /// Gemma's architecture fields (layer types, windows, per-layer
+    /// embeddings, …); `None` for the llama family.
+    #[serde(skip)]
+    pub(crate) gemma: Option<crate::gemma_config::GemmaSpec>,
 }
 
 fn default_rope_theta() -> f32 {
@@ -65,19 +80,33 @@ impl ModelConfig {
             path: path.clone(),
             source,
         })?;
-        let config: ModelConfig = serde_json::from_str(&text).map_err(|e| Error::Config {
+        let bad = |message: String| Error::Config {
             path: path.clone(),
-            message: e.to_string(),
-        })?;
-        if !SUPPORTED.contains(&config.model_type.as_str()) {
+            message,
+        };
+        let raw: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let model_type = raw
+            .get("model_type")
+            .and_then(|t| t.as_str())
+            .ok_or_else(|| bad("missing field `model_type`".into()))?;
+        if !SUPPORTED.contains(&model_type) {
             return Err(Error::UnsupportedArchitecture {
-                model_type: config.model_type,
+                model_type: model_type.to_owned(),
                 supported: SUPPORTED,
             });
         }
-        config
-            .check()
-            .map_err(|message| Error::Config { path, message })?;
+        // Gemma's text fields, flattened and completed with mlx_lm's
+        // defaults; other families read as they are.
+        let text_fields = crate::gemma_config::text_fields(&raw).map_err(bad)?;
+        let fields = text_fields.as_ref().unwrap_or(&raw);
+        let mut config: ModelConfig =
+            serde_json::from_value(fields.clone()).map_err(|e| bad(e.to_string()))?;
+        config.check().map_err(bad)?;
+        if text_fields.is_some() {
+            let mut spec = crate::gemma_config::GemmaSpec::resolve(fields, &config).map_err(bad)?;
+            spec.multimodal = matches!(model_type, "gemma3" | "gemma4");
+            config.gemma = Some(spec);
+        }
         Ok(config)
     }
 

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::cache::{padded_causal_mask, KvCache};
+use crate::cache::KvCache;
 use crate::error::Error;
 use crate::model::{Model, QuantizedWeights};
 use mlx_rs::{Array, Dtype};
@@ -108,7 +108,7 @@ fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
 
 /// The last position's logits of `ids` run alone, from an empty cache.
 fn alone(model: &Model, ids: &[i32]) -> Vec<f32> {
-    let logits = model.forward(&tokens(ids), &mut KvCache::new(), None);
+    let logits = model.forward(&tokens(ids), &mut KvCache::new());
     last_logits(&logits.unwrap(), 0)
 }
 
@@ -126,18 +126,16 @@ fn cached_decoding_equals_the_full_prompt() {
         let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
         let full = last_logits(
             &model
-                .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
+                .forward(&tokens(&PROMPT), &mut KvCache::new())
                 .unwrap(),
             0,
         );
         // The first four positions, then one at a time.
         let mut cache = KvCache::new();
-        model
-            .forward(&tokens(&PROMPT[..4]), &mut cache, None)
-            .unwrap();
+        model.forward(&tokens(&PROMPT[..4]), &mut cache).unwrap();
         let mut logits = None;
         for &t in &PROMPT[4..] {
-            logits = Some(model.forward(&tokens(&[t]), &mut cache, None).unwrap());
+            logits = Some(model.forward(&tokens(&[t]), &mut cache).unwrap());
         }
         assert_eq!(cache.len(), PROMPT.len() as i32);
         assert_close(&last_logits(&logits.unwrap(), 0), &full, 1e-4, arch);
@@ -150,9 +148,9 @@ fn last_position_logits_equal_the_full_forwards_last_row() {
     write_model(dir.path(), "llama");
     let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
     let batch = Array::from_slice(&[PROMPT, [7, 6, 5, 4, 3, 2, 1]].concat(), &[2, 7]);
-    let full = model.forward(&batch, &mut KvCache::new(), None).unwrap();
+    let full = model.forward(&batch, &mut KvCache::new()).unwrap();
     let mut cache = KvCache::new();
-    let last = model.forward_last(&batch, &mut cache, None).unwrap();
+    let last = model.forward_last(&batch, &mut cache).unwrap();
     assert_eq!(last.shape(), &[2, full.dim(2)]);
     assert_eq!(cache.len(), 7);
     for row in 0..2 {
@@ -171,13 +169,12 @@ fn shared_prefix_cache_equals_the_full_prompt_for_every_row() {
     let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
     let prefix = [3, 17, 42];
     let mut shared = KvCache::new();
-    model.forward(&tokens(&prefix), &mut shared, None).unwrap();
+    model.forward(&tokens(&prefix), &mut shared).unwrap();
     // Two suffixes of equal length after the one shared prefix.
     let suffixes = [[5, 9, 31], [8, 8, 1]];
     let mut cache = shared.fork(2).unwrap();
     let batch = Array::from_slice(&[suffixes[0], suffixes[1]].concat(), &[2, 3]);
-    let mask = padded_causal_mask(&[0, 0], 0, 3);
-    let logits = model.forward(&batch, &mut cache, Some(&mask)).unwrap();
+    let logits = model.forward(&batch, &mut cache).unwrap();
     for (row, suffix) in suffixes.iter().enumerate() {
         let full: Vec<i32> = prefix.iter().chain(suffix).copied().collect();
         let want = alone(&model, &full);
@@ -203,15 +200,14 @@ fn left_padded_batch_equals_one_at_a_time() {
         .flat_map(|r| std::iter::repeat_n(0, width - r.len()).chain(r.iter().copied()))
         .collect();
     let batch = Array::from_slice(&padded, &[3, width as i32]);
-    let mask = padded_causal_mask(&pads, 0, width);
-    let logits = model
-        .forward(&batch, &mut KvCache::new(), Some(&mask))
+    let mut cache = KvCache::new();
+    cache
+        .set_pads(pads.iter().map(|&p| p as i32).collect())
         .unwrap();
+    let logits = model.forward(&batch, &mut cache).unwrap();
     for (i, row) in rows.iter().enumerate() {
         let want = last_logits(
-            &model
-                .forward(&tokens(row), &mut KvCache::new(), None)
-                .unwrap(),
+            &model.forward(&tokens(row), &mut KvCache::new()).unwrap(),
             0,
         );
         assert_close(
@@ -277,7 +273,7 @@ fn quantized_weights_kept_or_dequantized_agree() {
 
     let logits = |mode| {
         let model = Model::load(qdir.path(), mode).unwrap();
-        let logits = model.forward(&tokens(&PROMPT), &mut KvCache::new(), None);
+        let logits = model.forward(&tokens(&PROMPT), &mut KvCache::new());
         last_logits(&logits.unwrap(), 0)
     };
     let kept = logits(QuantizedWeights::Keep);
@@ -352,7 +348,7 @@ fn logits_match_mlx_lm() {
         let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
         let ours = last_logits(
             &model
-                .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
+                .forward(&tokens(&PROMPT), &mut KvCache::new())
                 .unwrap(),
             0,
         );
@@ -397,7 +393,7 @@ fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
     let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
     let prefix = [3, 17, 42, 8];
     let mut shared = KvCache::new();
-    model.forward(&tokens(&prefix), &mut shared, None).unwrap();
+    model.forward(&tokens(&prefix), &mut shared).unwrap();
     let rows: [&[i32]; 4] = [&[5, 9], &[8, 8, 1, 2, 3], &[7], &[11, 12, 13]];
     let width = 5;
     let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
@@ -409,13 +405,8 @@ fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
     cache
         .set_pads(pads.iter().map(|&p| p as i32).collect())
         .unwrap();
-    let mask = padded_causal_mask(&pads, 0, width);
     let logits = model
-        .forward(
-            &Array::from_slice(&block, &[4, width as i32]),
-            &mut cache,
-            Some(&mask),
-        )
+        .forward(&Array::from_slice(&block, &[4, width as i32]), &mut cache)
         .unwrap();
     for (i, row) in rows.iter().enumerate() {
         let full: Vec<i32> = prefix.iter().chain(row.iter()).copied().collect();
@@ -440,13 +431,13 @@ fn stacked_caches_decode_like_each_row_alone() {
     let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
     let prefix = [3, 17, 42, 8];
     let mut shared = KvCache::new();
-    model.forward(&tokens(&prefix), &mut shared, None).unwrap();
+    model.forward(&tokens(&prefix), &mut shared).unwrap();
     let rows: [&[i32]; 3] = [&[5, 9], &[8, 8, 1, 2, 3], &[7]];
     let parts: Vec<KvCache> = rows
         .iter()
         .map(|row| {
             let mut cache = shared.fork(1).unwrap();
-            model.forward(&tokens(row), &mut cache, None).unwrap();
+            model.forward(&tokens(row), &mut cache).unwrap();
             cache
         })
         .collect();
@@ -454,16 +445,14 @@ fn stacked_caches_decode_like_each_row_alone() {
     assert_eq!(cache.len(), (prefix.len() + 5) as i32);
     assert_eq!(cache.own_len(), 5);
     assert_eq!(cache.pads(), [3, 0, 4]);
-    let pads: Vec<usize> = cache.pads().iter().map(|&p| p as usize).collect();
     let mut seen: Vec<Vec<i32>> = rows
         .iter()
         .map(|row| prefix.iter().chain(row.iter()).copied().collect())
         .collect();
     for step in 0..4 {
         let next: Vec<i32> = (0..3).map(|i| 20 + 3 * step + i).collect();
-        let mask = padded_causal_mask(&pads, cache.own_len() as usize, 1);
         let logits = model
-            .forward(&Array::from_slice(&next, &[3, 1]), &mut cache, Some(&mask))
+            .forward(&Array::from_slice(&next, &[3, 1]), &mut cache)
             .unwrap();
         for (i, full) in seen.iter_mut().enumerate() {
             full.push(next[i]);
@@ -513,7 +502,7 @@ fn mixed_precision_checkpoints_match_mlx_lm() {
     let model = Model::load(qdir.path(), QuantizedWeights::DequantizeOnUse).unwrap();
     let ours = last_logits(
         &model
-            .forward(&tokens(&PROMPT), &mut KvCache::new(), None)
+            .forward(&tokens(&PROMPT), &mut KvCache::new())
             .unwrap(),
         0,
     );

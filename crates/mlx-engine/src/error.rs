@@ -23,16 +23,21 @@ pub enum Error {
         model_type: String,
         supported: &'static [&'static str],
     },
-    /// A weight the architecture needs is not in the files.
-    #[error("weight {key:?} is missing")]
-    MissingWeight { key: String },
-    /// A weight has the wrong shape for the config.
-    #[error("weight {key:?} has shape {actual:?}, expected {expected:?}")]
+    /// A weight the architecture needs is not in the model folder's files.
+    #[error("{dir}: weight {key:?} is missing")]
+    MissingWeight { dir: PathBuf, key: String },
+    /// A weight's shape does not fit the config.
+    #[error("{path}: weight {key:?} has shape {actual:?}, the config implies {expected:?}")]
     WeightShape {
+        path: PathBuf,
         key: String,
-        expected: Vec<i32>,
-        actual: Vec<i32>,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
     },
+    /// A module's weights are quantized but `config.json`'s `quantization`
+    /// gives no group size and bits for it.
+    #[error("{path}: {module} is quantized in the weights but `quantization` does not cover it")]
+    UncoveredQuantization { path: PathBuf, module: String },
     /// A weights file is invalid.
     #[error(transparent)]
     Safetensors(#[from] st_mmap::Error),

@@ -6,7 +6,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::Array;
 
-use crate::cache::{padded_causal_mask, KvCache};
+use crate::cache::KvCache;
 use crate::error::EngineError;
 use crate::model::Model;
 use crate::options::{GenerateOptions, LogitsProcessor, SpecialTokens};
@@ -264,7 +264,6 @@ fn generate_chunk(
     } else {
         KvCache::new()
     };
-    let pads: Vec<usize> = cache.pads().iter().map(|&p| p as usize).collect();
     let eos = &state.eos;
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
@@ -301,12 +300,7 @@ fn generate_chunk(
         if step + 1 == max_tokens || done.iter().all(|&d| d) {
             break;
         }
-        let mask = padded_causal_mask(&pads, cache.own_len() as usize, 1);
-        last = model.forward_last(
-            &Array::from_slice(&ids, &[b as i32, 1]),
-            &mut cache,
-            Some(&mask),
-        )?;
+        last = model.forward_last(&Array::from_slice(&ids, &[b as i32, 1]), &mut cache)?;
     }
     Ok(out)
 }
@@ -340,8 +334,7 @@ fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::R
         } else {
             block.index((.., start as i32..end as i32))
         };
-        let mask = padded_causal_mask(&pads, start, end - start);
-        let last = model.forward_last(&piece, cache, Some(&mask))?;
+        let last = model.forward_last(&piece, cache)?;
         if end == width {
             return Ok(last);
         }

@@ -7,7 +7,8 @@
 //! classification prompt is a shared prefix worth computing once.
 //!
 //! [`MlxEngine`] starts a named worker thread that loads a model folder
-//! ([`Model`]: llama, mistral, qwen2, qwen3 in mlx_lm format), its
+//! ([`Model`]: llama, mistral, qwen2, qwen3, Gemma 3 and Gemma 4 text in
+//! mlx_lm format), its
 //! [`Tokenizer`] and chat template, and runs the shared prefix messages once.
 //! [`MlxEngine::generate`] then checks that each conversation starts with
 //! that prefix, sorts conversations by the length of their last message,
@@ -84,12 +85,17 @@ mod decoder_tests;
 mod engine;
 mod error;
 mod fused;
+mod gemma;
+mod gemma_config;
 mod generate;
 mod gguf;
 mod gguf_check;
+mod llama;
 mod model;
 mod options;
+mod rope;
 mod tokenizer;
+mod weights;
 
 pub use cache::KvCache;
 pub use config::{ModelConfig, SUPPORTED};

@@ -101,7 +101,6 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
             .forward(
                 &Array::from_slice(&input, &[1, input.len() as i32]),
                 &mut KvCache::new(),
-                None,
             )
             .unwrap();
         let last = logits
@@ -123,7 +122,6 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
                 .forward(
                     &Array::from_slice(&tokens, &[1, tokens.len() as i32]),
                     &mut KvCache::new(),
-                    None,
                 )
                 .unwrap();
             let next = mlx_rs::ops::indexing::argmax_axis(logits.index((0, -1)), -1, None).unwrap();
@@ -159,7 +157,7 @@ fn quantized_import_agrees_with_f32_import() {
     let last = |dir: &PathBuf, q| {
         let model = Model::load(dir, q).unwrap();
         let logits = model
-            .forward(&input, &mut KvCache::new(), None)
+            .forward(&input, &mut KvCache::new())
             .unwrap()
             .index((0, -1));
         logits.eval().unwrap();

@@ -158,7 +158,6 @@ pub fn reference(dir: &Path, conversation: &[Message], max_tokens: usize) -> Str
             .forward(
                 &Array::from_slice(&ids, &[1, ids.len() as i32]),
                 &mut KvCache::new(),
-                None,
             )
             .unwrap();
         let next = argmax_axis(logits.index((0, -1)), -1, None).unwrap();

@@ -1,0 +1,440 @@
+//! The Gemma 3 and Gemma 4 text decoders, with the arithmetic of mlx_lm
+//! 0.32.2's `gemma3_text.py` and `gemma4_text.py`.
+//!
+//! What both share: four norms per layer, q/k norms, a GeGLU MLP with
+//! tanh-approximated GELU, a scaled embedding, sliding-window layers
+//! between full-attention ones, a tied output head. Gemma 3 adds one to
+//! every norm weight and scales attention by `query_pre_attn_scalar^-½`.
+//! Gemma 4 adds per-layer input embeddings, layers that reuse an earlier
+//! layer's keys and values, a weightless value norm, attention scale 1,
+//! larger heads and "proportional" RoPE on full layers, a learned scalar on
+//! each layer's output and a tanh softcap on the logits.
+
+use mlx_rs::fast;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{clip, tanh};
+use mlx_rs::{Array, Dtype};
+
+use crate::attention::attention;
+use crate::cache::{KvCache, LayerMask};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::gemma_config::{GemmaSpec, Version};
+use crate::rope::Positions;
+use crate::weights::{Embedding, Linear, Weights};
+
+/// Where a checkpoint keeps the text decoder's weights.
+pub(crate) struct KeyPrefixes {
+    /// `model.`, `language_model.model.` or `model.language_model.`.
+    pub text: String,
+    /// The untied output head, `lm_head` or `language_model.lm_head`.
+    pub head: String,
+}
+
+impl KeyPrefixes {
+    /// The prefixes the files use: a multimodal checkpoint's text weights
+    /// sit under `language_model.model.` (mlx_lm) or
+    /// `model.language_model.` (Hugging Face).
+    pub(crate) fn find(spec: &GemmaSpec, w: &Weights<'_>) -> Result<KeyPrefixes> {
+        if !spec.multimodal {
+            return Ok(KeyPrefixes {
+                text: "model.".into(),
+                head: "lm_head".into(),
+            });
+        }
+        let has_embedding = |p: &str| {
+            w.has(&format!("{p}embed_tokens.weight")) || w.has(&format!("{p}embed_tokens.scales"))
+        };
+        let text = ["language_model.model.", "model.language_model."]
+            .into_iter()
+            .find(|p| has_embedding(p))
+            .ok_or_else(|| Error::MissingWeight {
+                dir: w.dir.to_path_buf(),
+                key: "language_model.model.embed_tokens.weight (the text decoder's weights)".into(),
+            })?;
+        Ok(KeyPrefixes {
+            text: text.into(),
+            head: "language_model.lm_head".into(),
+        })
+    }
+}
+
+struct Attention {
+    q: Linear,
+    /// Keys and values: only in layers that compute their own.
+    kv: Option<(Linear, Linear, Array)>,
+    o: Linear,
+    q_norm: Array,
+}
+
+/// Gemma 4's per-layer input: gate, projection back to the hidden size,
+/// and its norm.
+struct PerLayerInput {
+    gate: Linear,
+    projection: Linear,
+    norm: Array,
+}
+
+struct Layer {
+    attention: Attention,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    input_norm: Array,
+    post_attention_norm: Array,
+    pre_feedforward_norm: Array,
+    post_feedforward_norm: Array,
+    per_layer_input: Option<PerLayerInput>,
+    scalar: Option<Array>,
+    /// Gemma 4's proportional RoPE periods.
+    freqs: Option<Array>,
+}
+
+/// Gemma 4's per-layer embeddings: a table gathered per token and a
+/// projection of the embedding, both `(B, L, layers · width)`.
+struct PerLayerInputs {
+    table: Embedding,
+    projection: Linear,
+    norm: Array,
+}
+
+/// A loaded Gemma 3 or Gemma 4 text decoder.
+pub(crate) struct Gemma {
+    spec: GemmaSpec,
+    embed: Embedding,
+    per_layer: Option<PerLayerInputs>,
+    layers: Vec<Layer>,
+    norm: Array,
+    lm_head: Option<Linear>,
+}
+
+impl Gemma {
+    pub(crate) fn load(config: &ModelConfig, spec: &GemmaSpec, w: &Weights<'_>) -> Result<Gemma> {
+        let prefixes = KeyPrefixes::find(spec, w)?;
+        let p = &prefixes.text;
+        let (hidden, vocab) = (config.hidden_size, config.vocab_size);
+        let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
+        let n = config.num_hidden_layers;
+        let four = spec.version == Version::Four;
+        // Gemma 3 scales by (1 + w); adding the one at load gives the same
+        // values mlx_lm computes at each call.
+        let norm = |key: &str, len: usize| -> Result<Array> {
+            let weight = w.vector(key, len)?;
+            Ok(if four {
+                weight
+            } else {
+                weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?
+            })
+        };
+        let untied = w.has(&format!("{}.weight", prefixes.head));
+        let tied = match spec.version {
+            // mlx_lm ties Gemma 3's head whenever the files have none.
+            Version::Three => !untied,
+            Version::Four => config.tie_word_embeddings,
+        };
+        let embed = w.embedding(&format!("{p}embed_tokens"), vocab, hidden, tied)?;
+        let ple = spec.per_layer_dim;
+        let per_layer = if four && ple > 0 {
+            Some(PerLayerInputs {
+                table: w.embedding(
+                    &format!("{p}embed_tokens_per_layer"),
+                    spec.per_layer_vocab,
+                    n * ple,
+                    false,
+                )?,
+                projection: w.linear(&format!("{p}per_layer_model_projection"), hidden, n * ple)?,
+                norm: norm(&format!("{p}per_layer_projection_norm.weight"), ple)?,
+            })
+        } else {
+            None
+        };
+        let mut layers = Vec::with_capacity(n);
+        for (i, layer) in spec.layers.iter().enumerate() {
+            let lp = format!("{p}layers.{i}");
+            let hd = layer.head_dim;
+            let kv = if layer.owns_kv(i) {
+                Some((
+                    w.linear(&format!("{lp}.self_attn.k_proj"), hidden, kv_heads * hd)?,
+                    w.linear(&format!("{lp}.self_attn.v_proj"), hidden, kv_heads * hd)?,
+                    norm(&format!("{lp}.self_attn.k_norm.weight"), hd)?,
+                ))
+            } else {
+                // A KV-shared layer: checkpoints from mlx_lm 0.31.3 still
+                // carry unused k/v weights here, which are never read.
+                None
+            };
+            let inter = layer.intermediate;
+            let per_layer_input = if per_layer.is_some() {
+                Some(PerLayerInput {
+                    gate: w.linear(&format!("{lp}.per_layer_input_gate"), hidden, ple)?,
+                    projection: w.linear(&format!("{lp}.per_layer_projection"), ple, hidden)?,
+                    norm: norm(&format!("{lp}.post_per_layer_input_norm.weight"), hidden)?,
+                })
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attention: Attention {
+                    q: w.linear(&format!("{lp}.self_attn.q_proj"), hidden, heads * hd)?,
+                    kv,
+                    o: w.linear(&format!("{lp}.self_attn.o_proj"), heads * hd, hidden)?,
+                    q_norm: norm(&format!("{lp}.self_attn.q_norm.weight"), hd)?,
+                },
+                gate: w.linear(&format!("{lp}.mlp.gate_proj"), hidden, inter)?,
+                up: w.linear(&format!("{lp}.mlp.up_proj"), hidden, inter)?,
+                down: w.linear(&format!("{lp}.mlp.down_proj"), inter, hidden)?,
+                input_norm: norm(&format!("{lp}.input_layernorm.weight"), hidden)?,
+                post_attention_norm: norm(
+                    &format!("{lp}.post_attention_layernorm.weight"),
+                    hidden,
+                )?,
+                pre_feedforward_norm: norm(
+                    &format!("{lp}.pre_feedforward_layernorm.weight"),
+                    hidden,
+                )?,
+                post_feedforward_norm: norm(
+                    &format!("{lp}.post_feedforward_layernorm.weight"),
+                    hidden,
+                )?,
+                per_layer_input,
+                scalar: if four {
+                    Some(w.array(&format!("{lp}.layer_scalar"), &[1])?)
+                } else {
+                    None
+                },
+                freqs: layer
+                    .rope
+                    .freqs
+                    .as_ref()
+                    .map(|f| Array::from_slice(f, &[f.len() as i32])),
+            });
+        }
+        let final_norm = norm(&format!("{p}norm.weight"), hidden)?;
+        let lm_head = if tied {
+            None
+        } else {
+            Some(w.linear(&prefixes.head, hidden, vocab)?)
+        };
+        Ok(Gemma {
+            spec: spec.clone(),
+            embed,
+            per_layer,
+            layers,
+            norm: final_norm,
+            lm_head,
+        })
+    }
+
+    /// The final norm, the output head and Gemma 4's softcap.
+    pub(crate) fn head(&self, config: &ModelConfig, x: &Array) -> Result<Array> {
+        let spec = &self.spec;
+        let x = fast::rms_norm(x, Some(&self.norm), config.rms_norm_eps)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&x)?,
+            None => self.embed.as_linear(&x)?,
+        };
+        Ok(match spec.softcap {
+            Some(cap) => {
+                let cap = scalar(cap as f64, logits.dtype())?;
+                tanh(&logits.divide(&cap)?)?.multiply(&cap)?
+            }
+            None => logits,
+        })
+    }
+
+    /// The last layer's output `(B, L, hidden)` before the final norm;
+    /// extends `cache`.
+    pub(crate) fn hidden(
+        &self,
+        c: &ModelConfig,
+        tokens: &Array,
+        cache: &mut KvCache,
+    ) -> Result<Array> {
+        let spec = &self.spec;
+        let (b, l) = (tokens.dim(0), tokens.dim(1));
+        let embedded = self.embed.lookup(tokens)?;
+        let dtype = embedded.dtype();
+        let hidden_scale = match spec.version {
+            // mlx_lm rounds Gemma 3's scale to bfloat16 first.
+            Version::Three => Array::from_f32((c.hidden_size as f64).sqrt() as f32)
+                .as_dtype(Dtype::Bfloat16)?
+                .as_dtype(dtype)?,
+            Version::Four => scalar((c.hidden_size as f64).sqrt(), dtype)?,
+        };
+        let mut h = embedded.multiply(&hidden_scale)?;
+        let per_layer_inputs = match &self.per_layer {
+            Some(ple) => Some(self.per_layer_inputs(c, spec, ple, tokens, &h)?),
+            None => None,
+        };
+        // One mask per attention type, from the first layer of that type
+        // with a cache of its own (all such layers keep the same slots).
+        let window = spec.window as i32;
+        let mask_of = |sliding: bool| -> LayerMask {
+            let owner = spec
+                .layers
+                .iter()
+                .enumerate()
+                .find(|(i, s)| s.sliding == sliding && s.owns_kv(*i))
+                .map_or(0, |(i, _)| i);
+            cache.mask(owner, l, sliding.then_some(window))
+        };
+        let has = |sliding: bool| spec.layers.iter().any(|s| s.sliding == sliding);
+        let sliding_mask = has(true).then(|| mask_of(true));
+        let full_mask = has(false).then(|| mask_of(false));
+        let positions = Positions::of(cache);
+        let heads = c.num_attention_heads as i32;
+        let kv_heads = c.kv_heads() as i32;
+        let mut kvs: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
+        for (i, (layer, s)) in self.layers.iter().zip(&spec.layers).enumerate() {
+            let hd = s.head_dim as i32;
+            let mask = if s.sliding { &sliding_mask } else { &full_mask };
+            let mask = mask.as_ref().expect("made for every type present");
+            let x = fast::rms_norm(&h, Some(&layer.input_norm), c.rms_norm_eps)?;
+            let split = |a: Array, n: i32| -> Result<Array> { Ok(a.reshape(&[b, l, n, hd])?) };
+            let rope = |x: &Array| -> Result<Array> {
+                positions.rope(
+                    x,
+                    hd,
+                    c.rope_traditional,
+                    s.rope.base,
+                    s.rope.scale,
+                    layer.freqs.as_ref(),
+                )
+            };
+            let a = &layer.attention;
+            let q = fast::rms_norm(
+                &split(a.q.forward(&x)?, heads)?,
+                Some(&a.q_norm),
+                c.rms_norm_eps,
+            )?;
+            let q = rope(&q.transpose_axes(&[0, 2, 1, 3])?)?;
+            let (keys, values) = match &a.kv {
+                Some((k_proj, v_proj, k_norm)) => {
+                    let k = fast::rms_norm(
+                        &split(k_proj.forward(&x)?, kv_heads)?,
+                        Some(k_norm),
+                        c.rms_norm_eps,
+                    )?;
+                    let k = rope(&k.transpose_axes(&[0, 2, 1, 3])?)?;
+                    let mut v = split(v_proj.forward(&x)?, kv_heads)?;
+                    if spec.version == Version::Four {
+                        v = fast::rms_norm(&v, None, c.rms_norm_eps)?;
+                    }
+                    let v = v.transpose_axes(&[0, 2, 1, 3])?;
+                    let window = s.sliding.then_some(window);
+                    let kv = cache.append(i, k, v, window)?;
+                    kvs[i] = Some(kv.clone());
+                    kv
+                }
+                None => kvs[s.kv_source].clone().ok_or_else(|| {
+                    Error::Cache(format!(
+                        "layer {i} reads the keys of layer {} before they exist",
+                        s.kv_source
+                    ))
+                })?,
+            };
+            let attended = attention(
+                &q,
+                cache.shared(s.kv_source),
+                (&keys, &values),
+                mask,
+                spec.attention_scale,
+            )?;
+            let attended = attended
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, heads * hd])?;
+            let out = fast::rms_norm(
+                &a.o.forward(&attended)?,
+                Some(&layer.post_attention_norm),
+                c.rms_norm_eps,
+            )?;
+            h = residual_add(spec.version, &h, &out)?;
+            let x = fast::rms_norm(&h, Some(&layer.pre_feedforward_norm), c.rms_norm_eps)?;
+            let gated = gelu_tanh(&layer.gate.forward(&x)?)?.multiply(layer.up.forward(&x)?)?;
+            let out = fast::rms_norm(
+                &layer.down.forward(&gated)?,
+                Some(&layer.post_feedforward_norm),
+                c.rms_norm_eps,
+            )?;
+            h = residual_add(spec.version, &h, &out)?;
+            if let (Some(pli), Some(inputs)) = (&layer.per_layer_input, &per_layer_inputs) {
+                let gate = gelu_tanh(&pli.gate.forward(&h)?)?.multiply(inputs.index((
+                    ..,
+                    ..,
+                    i as i32,
+                    ..,
+                )))?;
+                let out = fast::rms_norm(
+                    &pli.projection.forward(&gate)?,
+                    Some(&pli.norm),
+                    c.rms_norm_eps,
+                )?;
+                h = h.add(&out)?;
+            }
+            if let Some(scalar) = &layer.scalar {
+                h = h.multiply(scalar)?;
+            }
+        }
+        cache.advance(l)?;
+        Ok(h)
+    }
+
+    /// Gemma 4's per-layer inputs `(B, L, layers, width)`: the table's rows
+    /// for the tokens, scaled by `√width`, plus the normalised projection of
+    /// the scaled embedding `h`, the sum scaled by `2^-½`.
+    fn per_layer_inputs(
+        &self,
+        c: &ModelConfig,
+        spec: &GemmaSpec,
+        ple: &PerLayerInputs,
+        tokens: &Array,
+        h: &Array,
+    ) -> Result<Array> {
+        let (b, l) = (tokens.dim(0), tokens.dim(1));
+        let shape = [b, l, c.num_hidden_layers as i32, spec.per_layer_dim as i32];
+        let rows = ple.table.lookup(tokens)?;
+        let rows = rows
+            .multiply(scalar((spec.per_layer_dim as f64).sqrt(), rows.dtype())?)?
+            .reshape(&shape)?;
+        let projected = ple.projection.forward(h)?;
+        let projected = projected
+            .multiply(scalar(
+                (c.hidden_size as f64).powf(-0.5),
+                projected.dtype(),
+            )?)?
+            .reshape(&shape)?;
+        let projected = fast::rms_norm(&projected, Some(&ple.norm), c.rms_norm_eps)?;
+        let sum = projected.add(&rows)?;
+        Ok(sum.multiply(scalar(0.5f64.sqrt(), sum.dtype())?)?)
+    }
+}
+
+/// A Python float as mlx_lm's arithmetic sees it: rounded to the array's
+/// dtype.
+fn scalar(v: f64, dtype: Dtype) -> Result<Array> {
+    Ok(Array::from_f32(v as f32).as_dtype(dtype)?)
+}
+
+/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, MLX's `gelu_approx`.
+fn gelu_tanh(x: &Array) -> Result<Array> {
+    let dtype = x.dtype();
+    let c = |v: f64| scalar(v, dtype);
+    let cubed = x.multiply(x)?.multiply(x)?;
+    let inner = x
+        .add(cubed.multiply(c(0.044715)?)?)?
+        .multiply(c((2.0 / std::f64::consts::PI).sqrt())?)?;
+    Ok(x.multiply(c(0.5)?)?.multiply(tanh(&inner)?.add(c(1.0)?)?)?)
+}
+
+/// `x + y`; Gemma 3 in float16 sums in f32 and clips to float16's range,
+/// as mlx_lm does (its activations overflow float16).
+fn residual_add(version: Version, x: &Array, y: &Array) -> Result<Array> {
+    if version == Version::Four || x.dtype() != Dtype::Float16 {
+        return Ok(x.add(y)?);
+    }
+    let bound = 65504.0f32;
+    let sum = x
+        .as_dtype(Dtype::Float32)?
+        .add(y.as_dtype(Dtype::Float32)?)?;
+    Ok(clip(&sum, (-bound, bound))?.as_dtype(Dtype::Float16)?)
+}

@@ -1,0 +1,142 @@
+//! The llama-family decoder (llama, mistral, qwen2, qwen3) written with
+//! mlx-rs.
+
+use mlx_rs::fast;
+use mlx_rs::Array;
+
+use crate::attention::attention;
+use crate::cache::KvCache;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::fused::silu_mul;
+use crate::rope::Positions;
+use crate::weights::{Embedding, Linear, Weights};
+
+struct Layer {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    input_norm: Array,
+    post_norm: Array,
+}
+
+/// A loaded llama-family decoder.
+pub(crate) struct Llama {
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: Array,
+    lm_head: Option<Linear>,
+}
+
+impl Llama {
+    pub(crate) fn load(config: &ModelConfig, w: &Weights<'_>) -> Result<Llama> {
+        let (hidden, vocab) = (config.hidden_size, config.vocab_size);
+        let tied = config.tie_word_embeddings && !w.has("lm_head.weight");
+        let embed = w.embedding("model.embed_tokens", vocab, hidden, true)?;
+        let (heads, kv_heads, hd) = (
+            config.num_attention_heads,
+            config.kv_heads(),
+            config.head_dim(),
+        );
+        let inter = config.intermediate_size;
+        let mut layers = Vec::new();
+        for i in 0..config.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let qk_norm = |name: &str| -> Result<Option<Array>> {
+                if config.qk_norm() {
+                    Ok(Some(w.vector(&format!("{p}.self_attn.{name}.weight"), hd)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(Layer {
+                q: w.linear(&format!("{p}.self_attn.q_proj"), hidden, heads * hd)?,
+                k: w.linear(&format!("{p}.self_attn.k_proj"), hidden, kv_heads * hd)?,
+                v: w.linear(&format!("{p}.self_attn.v_proj"), hidden, kv_heads * hd)?,
+                o: w.linear(&format!("{p}.self_attn.o_proj"), heads * hd, hidden)?,
+                q_norm: qk_norm("q_norm")?,
+                k_norm: qk_norm("k_norm")?,
+                gate: w.linear(&format!("{p}.mlp.gate_proj"), hidden, inter)?,
+                up: w.linear(&format!("{p}.mlp.up_proj"), hidden, inter)?,
+                down: w.linear(&format!("{p}.mlp.down_proj"), inter, hidden)?,
+                input_norm: w.vector(&format!("{p}.input_layernorm.weight"), hidden)?,
+                post_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"), hidden)?,
+            });
+        }
+        let norm = w.vector("model.norm.weight", hidden)?;
+        let lm_head = if tied {
+            None
+        } else {
+            Some(w.linear("lm_head", hidden, vocab)?)
+        };
+        Ok(Llama {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// The final norm and the output projection (or the tied embedding).
+    pub(crate) fn head(&self, config: &ModelConfig, x: &Array) -> Result<Array> {
+        let x = fast::rms_norm(x, Some(&self.norm), config.rms_norm_eps)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&x),
+            None => self.embed.as_linear(&x),
+        }
+    }
+
+    /// The last decoder layer's output `(B, L, hidden)`, before the final
+    /// norm; extends `cache`.
+    pub(crate) fn hidden(
+        &self,
+        c: &ModelConfig,
+        tokens: &Array,
+        cache: &mut KvCache,
+    ) -> Result<Array> {
+        let (b, l) = (tokens.dim(0), tokens.dim(1));
+        let (heads, kv_heads, hd) = (
+            c.num_attention_heads as i32,
+            c.kv_heads() as i32,
+            c.head_dim() as i32,
+        );
+        let mask = cache.mask(0, l, None);
+        let positions = Positions::of(cache);
+        let mut x = self.embed.lookup(tokens)?;
+        let scale = (hd as f32).powf(-0.5);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = fast::rms_norm(&x, Some(&layer.input_norm), c.rms_norm_eps)?;
+            let split = |a: Array, n: i32| -> Result<Array> {
+                Ok(a.reshape(&[b, l, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
+            };
+            let mut q = split(layer.q.forward(&h)?, heads)?;
+            let mut k = split(layer.k.forward(&h)?, kv_heads)?;
+            let v = split(layer.v.forward(&h)?, kv_heads)?;
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
+                k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
+            }
+            let rope = |x: &Array| {
+                positions.rope(x, hd, c.rope_traditional, Some(c.rope_theta), 1.0, None)
+            };
+            let (q, k) = (rope(&q)?, rope(&k)?);
+            let (k, v) = cache.append(i, k, v, None)?;
+            let attended = attention(&q, cache.shared(i), (&k, &v), &mask, scale)?;
+            let attended = attended
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, heads * hd])?;
+            let x1 = x.add(layer.o.forward(&attended)?)?;
+            let h = fast::rms_norm(&x1, Some(&layer.post_norm), c.rms_norm_eps)?;
+            let gated = silu_mul(&layer.gate.forward(&h)?, &layer.up.forward(&h)?)?;
+            x = x1.add(layer.down.forward(&gated)?)?;
+        }
+        cache.advance(l)?;
+        Ok(x)
+    }
+}

@@ -1,0 +1,48 @@
+//! Rotary positions of the tokens being appended to a cache.
+
+use mlx_rs::fast;
+use mlx_rs::Array;
+
+use crate::cache::KvCache;
+use crate::error::Result;
+
+/// Where each row's new tokens sit: the cached length, less each row's
+/// left padding (so padding does not shift positions).
+pub(crate) enum Positions {
+    /// Every row at the same offset.
+    Same(i32),
+    /// One offset per row.
+    PerRow(Array),
+}
+
+impl Positions {
+    pub(crate) fn of(cache: &KvCache) -> Positions {
+        let position = cache.len();
+        if cache.pads().iter().all(|&p| p == 0) {
+            return Positions::Same(position);
+        }
+        let offsets: Vec<i32> = cache.pads().iter().map(|p| position - p).collect();
+        Positions::PerRow(Array::from_slice(&offsets, &[offsets.len() as i32]))
+    }
+
+    /// RoPE over the first `dims` features of `x` `(B, heads, L, D)`, with
+    /// `base` or explicit per-pair periods `freqs`.
+    pub(crate) fn rope(
+        &self,
+        x: &Array,
+        dims: i32,
+        traditional: bool,
+        base: Option<f32>,
+        scale: f32,
+        freqs: Option<&Array>,
+    ) -> Result<Array> {
+        Ok(match self {
+            Positions::Same(offset) => {
+                fast::rope(x, dims, traditional, base, scale, *offset, freqs)?
+            }
+            Positions::PerRow(offsets) => {
+                fast::rope_dynamic(x, dims, traditional, base, scale, offsets, freqs)?
+            }
+        })
+    }
+}
