@@ -155,6 +155,12 @@ fn cxx_present() -> bool {
 /// build) and mlx-lm for fusing parity.
 const INTEROP_PACKAGES: &[&str] = &["zstandard==0.25.0", "mlx[cpu]==0.32.2", "mlx-lm==0.31.3"];
 
+/// mlx-lm 0.32.2, the reference of the engine's Gemma parity tests, kept
+/// beside the venv's 0.31.3 (which the fusing tests compare against: it is
+/// what cc-sentiment trained and fused with). Pure Python; its scripts put
+/// `<venv>/mlx-lm-0.32.2` first on `sys.path`.
+const NEWER_MLX_LM: (&str, &str) = ("mlx-lm==0.32.2", "mlx-lm-0.32.2");
+
 /// Makes a virtual environment under `target/` with the interop packages and
 /// returns its python, so that interop tests run rather than skip. Python
 /// is only a reference here: when it cannot be set up, the tests say that
@@ -166,7 +172,11 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
     // Bit-exact comparisons need the same BLAS on both sides (matmul
     // rounding depends on it), so the venv's MLX gets what our build uses.
     let blas = interop_blas();
-    let wanted = format!("{}\nblas={blas}", INTEROP_PACKAGES.join("\n"));
+    let wanted = format!(
+        "{}\n{}\nblas={blas}",
+        INTEROP_PACKAGES.join("\n"),
+        NEWER_MLX_LM.0
+    );
     if std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) && python.exists() {
         return absolute(&python);
     }
@@ -183,6 +193,13 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
         && Command::new(&python)
             .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
             .args(INTEROP_PACKAGES)
+            .status()
+            .is_ok_and(|s| s.success())
+        && Command::new(&python)
+            .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+            .args(["--no-deps", "--target"])
+            .arg(venv.join(NEWER_MLX_LM.1))
+            .arg(NEWER_MLX_LM.0)
             .status()
             .is_ok_and(|s| s.success());
     if !ok {

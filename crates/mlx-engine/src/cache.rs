@@ -413,3 +413,39 @@ fn empty_layer(layer: usize) -> crate::Error {
 fn cache_err(message: String) -> crate::Error {
     crate::Error::Cache(message)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn positions(rows: i32, n: i32) -> Array {
+        Array::zeros::<f32>(&[rows, 2, n, 4]).unwrap()
+    }
+
+    /// A layer with a window holds about a window of positions however long
+    /// the prompt; a layer without one holds them all.
+    #[test]
+    fn a_windowed_layer_holds_a_window_not_the_prompt() {
+        let window = 8;
+        let mut cache = KvCache::new();
+        for step in 0..60 {
+            let new = if step == 0 { 300 } else { 1 + step % 3 };
+            let (k, v) = (positions(1, new), positions(1, new));
+            cache.append(0, k.clone(), v.clone(), Some(window)).unwrap();
+            cache.append(1, k, v, None).unwrap();
+            cache.advance(new).unwrap();
+            let held = |layer: usize| cache.owned[layer].as_ref().unwrap().keys.dim(2);
+            assert!(
+                held(0) <= window - 1 + GROW_BY + new,
+                "step {step}: {} slots",
+                held(0)
+            );
+            assert!(held(1) >= cache.own_len());
+        }
+        // The prefix a fork shares: the window's last positions only.
+        let forked = cache.fork(3).unwrap();
+        assert_eq!(forked.shared(0).unwrap().0.dim(1), window - 1);
+        assert_eq!(forked.shared(1).unwrap().0.dim(1), cache.len());
+        assert_eq!(forked.len(), cache.len());
+    }
+}

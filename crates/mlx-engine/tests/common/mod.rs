@@ -80,6 +80,12 @@ pub fn write_model_with(dir: &Path, special_markers: bool) {
         dir.join("model.safetensors"),
     )
     .unwrap();
+    write_tokenizer(dir, special_markers);
+}
+
+/// The word-level tokenizer (`w0`…`w39`, `<unk>` 40, chat markers 41–44)
+/// and chat template of the test models.
+pub fn write_tokenizer(dir: &Path, special_markers: bool) {
     let mut vocab = serde_json::Map::new();
     vocab.insert("<unk>".into(), 40.into());
     for i in 0..40 {
