@@ -7,10 +7,10 @@ use std::path::Path;
 
 use mlx_rs::Array;
 use mlx_support::{
-    array_from_bytes, array_to_bytes, fuse_lora, LinearWeights, Lora, LoraLayout, Quantization,
-    QuantizationConfig,
+    array_from_bytes, array_to_bytes, fuse_lora, unused_by_mlx_lm, LinearWeights, Lora,
+    LoraLayout, Quantization, QuantizationConfig,
 };
-use st_mmap::{SafetensorsFile, SafetensorsSet, TensorView};
+use st_mmap::{SafetensorsFile, SafetensorsSet, TensorInfo, TensorView};
 
 use crate::adapter::LoraAdapter;
 use crate::error::{io, Error, Result};
@@ -140,12 +140,20 @@ const QUEUED_PIECES: usize = 2;
 fn write_shard(
     file: &SafetensorsFile,
     out: &Path,
+    keep: &dyn Fn(&str) -> bool,
     fused: &mut dyn FnMut(&str) -> Result<Option<Vec<u8>>>,
-) -> Result<()> {
+) -> Result<Vec<TensorInfo>> {
     let header = file.header();
     let source = fs::File::open(file.path()).map_err(io(file.path()))?;
     let target = fs::File::create(out).map_err(io(out))?;
-    let head = &file.bytes()[..header.data_start()];
+    // The base's header verbatim, or one for the tensors kept.
+    let (head, kept) = if header.tensors().iter().all(|t| keep(&t.name)) {
+        let head = file.bytes()[..header.data_start()].to_vec();
+        (head, header.tensors().to_vec())
+    } else {
+        header.subset(|t| keep(&t.name))
+    };
+    let head = head.as_slice();
     let (tx, rx) = std::sync::mpsc::sync_channel::<Piece>(QUEUED_PIECES);
     std::thread::scope(|scope| {
         let writer = scope.spawn(|| write_pieces(head, &source, file.path(), target, out, rx));
@@ -154,7 +162,7 @@ fn write_shard(
             let send = |piece| tx.send(piece).is_ok();
             // Untouched bytes not sent yet: neighbouring tensors are one copy.
             let mut copy: Option<(u64, u64)> = None;
-            for info in header.tensors() {
+            for info in header.tensors().iter().filter(|t| keep(&t.name)) {
                 let at = (header.data_start() + info.data_offsets.0) as u64;
                 let len = info.byte_len() as u64;
                 match fused(&info.name)? {
@@ -193,7 +201,8 @@ fn write_shard(
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         produced.and(written)
-    })
+    })?;
+    Ok(kept)
 }
 
 /// The writer thread: the header, then each piece in order. Synced with the
@@ -254,6 +263,9 @@ pub(crate) fn fuse_model(
         message: e.to_string(),
     })?;
     let base = SafetensorsSet::open_dir(base_dir)?;
+    // What Python's fuse leaves out: mlx_lm never loads these tensors
+    // (towers, unused k/v), so its saved model has none of them.
+    let keep = |key: &str| !unused_by_mlx_lm(&config, key);
 
     // Which module each base tensor belongs to, for the tensors fusing touches.
     let mut touched: HashMap<String, String> = HashMap::new();
@@ -276,9 +288,12 @@ pub(crate) fn fuse_model(
     let mut weight_map = BTreeMap::new();
     let mut total_size = 0u64;
     for file in base.files() {
+        if !file.header().tensors().iter().any(|t| keep(&t.name)) {
+            continue;
+        }
         let name = file.path().file_name().expect("a file").to_owned();
         let target = out.join(&name);
-        write_shard(file, &target, &mut |key| {
+        let kept = write_shard(file, &target, &keep, &mut |key| {
             if let Some(bytes) = pending.remove(key) {
                 return Ok(Some(bytes));
             }
@@ -292,7 +307,7 @@ pub(crate) fn fuse_model(
             pending.extend(fused);
             Ok(mine)
         })?;
-        for info in file.header().tensors() {
+        for info in &kept {
             weight_map.insert(info.name.clone(), name.to_string_lossy().into_owned());
             total_size += info.byte_len() as u64;
         }

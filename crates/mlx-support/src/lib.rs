@@ -38,6 +38,7 @@
 
 mod blas;
 mod bytes;
+mod checkpoint;
 mod device;
 mod error;
 mod lora;
@@ -47,6 +48,7 @@ mod quant;
 pub use blas::{
     best_coretype, kernels_in_use, reexec_with_best_kernels, runs_generic_kernels, CpuFeatures,
 };
+pub use checkpoint::unused_by_mlx_lm;
 pub use bytes::{array_from_bytes, array_to_bytes, checked_dtype, checked_shape, mlx_dtype_of};
 pub use device::{
     best_device, current_device, is_available, mlx_version, use_device, ComputeDevice, DeviceError,

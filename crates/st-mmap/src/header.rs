@@ -146,6 +146,45 @@ impl Header {
     }
 }
 
+impl Header {
+    /// The header of a file holding only the tensors of this one that
+    /// `keep` accepts, in the same order and packed without gaps: the
+    /// 8-byte length and the JSON, padded with spaces to a multiple of 8
+    /// as the safetensors library writes it, and the new descriptions
+    /// (whose `data_offsets` say where each kept tensor's bytes go).
+    pub fn subset(&self, keep: impl Fn(&TensorInfo) -> bool) -> (Vec<u8>, Vec<TensorInfo>) {
+        let mut at = 0;
+        let mut kept = Vec::new();
+        for t in self.tensors.iter().filter(|t| keep(t)) {
+            let len = t.byte_len();
+            kept.push(TensorInfo {
+                data_offsets: (at, at + len),
+                ..t.clone()
+            });
+            at += len;
+        }
+        let mut json = serde_json::Map::new();
+        if let Some(metadata) = &self.metadata {
+            json.insert(METADATA_KEY.into(), serde_json::json!(metadata));
+        }
+        for t in &kept {
+            json.insert(
+                t.name.clone(),
+                serde_json::json!({
+                    "dtype": t.dtype.as_str(),
+                    "shape": t.shape,
+                    "data_offsets": [t.data_offsets.0, t.data_offsets.1],
+                }),
+            );
+        }
+        let mut text = serde_json::to_vec(&json).expect("a JSON map serializes");
+        text.resize(text.len().next_multiple_of(8), b' ');
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(text);
+        (bytes, kept)
+    }
+}
+
 /// Reads the JSON length from the first 8 bytes and checks it against the
 /// file length and [`MAX_HEADER_LEN`].
 pub fn json_len(first_bytes: &[u8], file_len: u64) -> Result<usize, HeaderError> {
@@ -338,5 +377,26 @@ impl<'de> Deserialize<'de> for Entries {
             }
         }
         deserializer.deserialize_map(EntriesVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_subset_header_parses_back_with_packed_offsets() {
+        let json = br#"{"__metadata__":{"format":"mlx"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[3],"data_offsets":[8,11]},"c":{"dtype":"BF16","shape":[2,2],"data_offsets":[11,19]}}"#;
+        let header = parse_header_json(json).unwrap();
+        let (bytes, kept) = header.subset(|t| t.name != "b");
+        assert_eq!(bytes.len() % 8, 0);
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!(n + 8, bytes.len());
+        let parsed = parse_header_json(&bytes[8..]).unwrap();
+        assert_eq!(parsed.tensors(), &kept[..]);
+        assert_eq!(parsed.tensors()[1].name, "c");
+        assert_eq!(parsed.tensors()[1].data_offsets, (8, 16));
+        assert_eq!(parsed.metadata(), header.metadata());
+        assert_eq!(parsed.body_len(), 16);
     }
 }

@@ -1,0 +1,312 @@
+//! A Gemma 4 checkpoint with E2B's real module shapes and random weights,
+//! quantized the way the "UD" MLX checkpoints are (4-bit by default, some
+//! modules in 8 bits or another group size, some left unquantized), in
+//! mlx_lm's multimodal layout (`language_model.model.*`), with vision and
+//! audio tower tensors beside the text weights and, optionally, the unused
+//! k/v weights of KV-shared layers that checkpoints made with mlx_lm 0.31.3
+//! still carry.
+//!
+//! Test and benchmark support, shared by several crates with `#[path]`:
+//! `unsloth/gemma-4-E2B-it-UD-MLX-4bit` (3.5–4.5 GB) cannot be downloaded
+//! where the tests run, and the shipped cc-sentiment adapter needs E2B's
+//! shapes in layers 19–34. Needs `mlx_rs` and `serde_json`.
+
+#![allow(dead_code)]
+
+use std::path::Path;
+
+use mlx_rs::{Array, Dtype};
+use serde_json::json;
+
+pub const HIDDEN: i32 = 1536;
+pub const LAYERS: i32 = 35;
+pub const HEADS: i32 = 8;
+pub const KV_HEADS: i32 = 1;
+pub const HEAD_DIM: i32 = 256;
+pub const GLOBAL_HEAD_DIM: i32 = 512;
+pub const INTERMEDIATE: i32 = 6144;
+pub const PER_LAYER: i32 = 256;
+pub const SHARED_LAYERS: i32 = 20;
+pub const WINDOW: i32 = 512;
+/// E2B's vocabulary (the engine benchmark's); tests use a small one.
+pub const E2B_VOCAB: i32 = 262_144;
+
+/// What to write.
+#[derive(Debug, Clone)]
+pub struct E2bBase {
+    pub vocab: i32,
+    /// The unused k/v/k_norm weights of KV-shared layers (0.31.3-era).
+    pub legacy_kv: bool,
+    /// Layers per weights shard (the embeddings get a shard of their own).
+    pub layers_per_shard: i32,
+    pub seed: u64,
+}
+
+impl Default for E2bBase {
+    fn default() -> Self {
+        E2bBase {
+            vocab: 512,
+            legacy_kv: true,
+            layers_per_shard: 12,
+            seed: 2026,
+        }
+    }
+}
+
+/// Whether layer `i` is a full-attention layer (every fifth).
+pub fn is_full(i: i32) -> bool {
+    (i + 1) % 5 == 0
+}
+
+const PREFIX: &str = "language_model.model.";
+
+/// The UD-like plan: module (under the text prefix) → `(group, bits)`, or
+/// `None` for a module left unquantized. Others: group 64, 4 bits.
+fn plan(module: &str) -> Option<Option<(i32, i32)>> {
+    let layer: Option<i32> = module
+        .strip_prefix("layers.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|n| n.parse().ok());
+    if module == "per_layer_model_projection" {
+        return Some(Some((64, 8)));
+    }
+    let layer = layer?;
+    if module.ends_with("mlp.down_proj") && layer >= 19 && layer % 2 == 1 {
+        return Some(Some((64, 8)));
+    }
+    if module.ends_with("self_attn.o_proj") && layer % 5 == 0 {
+        return Some(Some((32, 4)));
+    }
+    if module.ends_with("per_layer_projection") && layer % 3 == 0 {
+        return Some(None);
+    }
+    if module.ends_with("self_attn.q_proj") && layer == 21 {
+        return Some(None);
+    }
+    None
+}
+
+fn quantization(base: &E2bBase) -> serde_json::Value {
+    let mut q = json!({"group_size": 64, "bits": 4, "mode": "affine"});
+    let mut modules = vec!["per_layer_model_projection".to_owned()];
+    for i in 0..LAYERS {
+        for m in [
+            "mlp.down_proj",
+            "self_attn.o_proj",
+            "per_layer_projection",
+            "self_attn.q_proj",
+        ] {
+            modules.push(format!("layers.{i}.{m}"));
+        }
+    }
+    let _ = base;
+    for m in modules {
+        if let Some(own) = plan(&m) {
+            q[format!("{PREFIX}{m}")] = match own {
+                Some((g, b)) => json!({"group_size": g, "bits": b}),
+                None => json!(false),
+            };
+        }
+    }
+    q
+}
+
+/// The checkpoint's `config.json` (mlx_lm's `gemma4` with `text_config`).
+pub fn config(base: &E2bBase) -> serde_json::Value {
+    let types: Vec<&str> = (0..LAYERS)
+        .map(|i| {
+            if is_full(i) {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            }
+        })
+        .collect();
+    json!({
+        "model_type": "gemma4",
+        "vocab_size": base.vocab,
+        "text_config": {
+            "model_type": "gemma4_text", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+            "intermediate_size": INTERMEDIATE, "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "global_head_dim": GLOBAL_HEAD_DIM,
+            "rms_norm_eps": 1e-6, "vocab_size": base.vocab, "vocab_size_per_layer_input": base.vocab,
+            "num_kv_shared_layers": SHARED_LAYERS, "hidden_size_per_layer_input": PER_LAYER,
+            "sliding_window": WINDOW, "layer_types": types,
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0, "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"}
+            },
+            "final_logit_softcapping": 30.0, "use_double_wide_mlp": true,
+            "tie_word_embeddings": true, "max_position_embeddings": 131072,
+            "attention_k_eq_v": false, "enable_moe_block": false
+        },
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16},
+        "audio_config": {"model_type": "gemma4_audio", "hidden_size": 16},
+        "quantization": quantization(base),
+        "eos_token_id": [1, 106],
+        "tie_word_embeddings": true
+    })
+}
+
+struct Shard {
+    tensors: Vec<(String, Array)>,
+    seed: u64,
+}
+
+impl Shard {
+    fn normal(&mut self, shape: &[i32], std: f32) -> Array {
+        self.seed += 1;
+        let key = mlx_rs::random::key(self.seed).unwrap();
+        mlx_rs::random::normal::<f32>(shape, None, std, &key)
+            .unwrap()
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap()
+    }
+
+    /// A vector of bfloat16 near `mean`.
+    fn vector(&mut self, key: &str, len: i32, mean: f32) {
+        let v = self
+            .normal(&[len], 0.05)
+            .add(Array::from_f32(mean).as_dtype(Dtype::Bfloat16).unwrap())
+            .unwrap();
+        self.tensors.push((format!("{PREFIX}{key}"), v));
+    }
+
+    /// A bfloat16 matrix, quantized by the plan; generated a slice of rows
+    /// at a time so that a 262,144-row table never exists in f32.
+    fn matrix(&mut self, module: &str, rows: i32, cols: i32, std: f32) {
+        let q = match plan(module) {
+            Some(own) => own,
+            None => Some((64, 4)),
+        };
+        let step = (1 << 24) / cols.max(1);
+        let mut parts: Vec<[Array; 3]> = Vec::new();
+        let mut dense = Vec::new();
+        let mut start = 0;
+        while start < rows {
+            let n = step.min(rows - start);
+            let w = self.normal(&[n, cols], std);
+            match q {
+                Some((g, b)) => {
+                    let (w, s, bi) = mlx_rs::ops::quantize(&w, g, b).unwrap();
+                    mlx_rs::transforms::eval([&w, &s, &bi]).unwrap();
+                    parts.push([w, s, bi]);
+                }
+                None => {
+                    w.eval().unwrap();
+                    dense.push(w);
+                }
+            }
+            start += n;
+        }
+        let key = |suffix: &str| format!("{PREFIX}{module}.{suffix}");
+        let join = |v: Vec<&Array>| -> Array {
+            if v.len() == 1 {
+                v[0].clone()
+            } else {
+                mlx_rs::ops::concatenate(&v, 0).unwrap()
+            }
+        };
+        if q.is_some() {
+            for (i, suffix) in ["weight", "scales", "biases"].iter().enumerate() {
+                let joined = join(parts.iter().map(|p| &p[i]).collect());
+                self.tensors.push((key(suffix), joined));
+            }
+        } else {
+            self.tensors.push((key("weight"), join(dense.iter().collect())));
+        }
+    }
+
+    fn save(self, path: &Path) -> Vec<String> {
+        Array::save_safetensors(
+            self.tensors.iter().map(|(k, v)| (k.as_str(), v)),
+            None,
+            path,
+        )
+        .unwrap();
+        self.tensors.into_iter().map(|(k, _)| k).collect()
+    }
+}
+
+/// Writes the checkpoint (config, shards, index) into `dir`.
+pub fn write(dir: &Path, base: &E2bBase) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), config(base).to_string()).unwrap();
+    let shards = 1 + (LAYERS + base.layers_per_shard - 1) / base.layers_per_shard;
+    let name = |k: i32| format!("model-{:05}-of-{:05}.safetensors", k + 1, shards);
+    let mut weight_map = serde_json::Map::new();
+    let mut record = |keys: Vec<String>, file: String| {
+        for key in keys {
+            weight_map.insert(key, json!(file.clone()));
+        }
+    };
+
+    let mut s = Shard {
+        tensors: Vec::new(),
+        seed: base.seed,
+    };
+    s.matrix("embed_tokens", base.vocab, HIDDEN, 0.03);
+    s.matrix("embed_tokens_per_layer", base.vocab, LAYERS * PER_LAYER, 0.03);
+    s.matrix("per_layer_model_projection", LAYERS * PER_LAYER, HIDDEN, 0.02);
+    s.vector("per_layer_projection_norm.weight", PER_LAYER, 1.0);
+    s.vector("norm.weight", HIDDEN, 1.0);
+    // Towers mlx_lm drops on load (the text decoder never reads them).
+    for tower in [
+        "vision_tower.encoder.patch.weight",
+        "audio_tower.conv.weight",
+        "embed_vision.embedding_projection.weight",
+    ] {
+        let t = s.normal(&[16, 16], 0.02);
+        s.tensors.push((tower.to_owned(), t));
+    }
+    let seed = s.seed;
+    record(s.save(&dir.join(name(0))), name(0));
+
+    let first_shared = LAYERS - SHARED_LAYERS;
+    for shard in 0..shards - 1 {
+        let mut s = Shard {
+            tensors: Vec::new(),
+            seed: seed + 1_000 * (shard as u64 + 1),
+        };
+        let layers = shard * base.layers_per_shard..((shard + 1) * base.layers_per_shard).min(LAYERS);
+        for i in layers {
+            let p = format!("layers.{i}");
+            let hd = if is_full(i) { GLOBAL_HEAD_DIM } else { HEAD_DIM };
+            let inter = if i >= first_shared {
+                2 * INTERMEDIATE
+            } else {
+                INTERMEDIATE
+            };
+            s.matrix(&format!("{p}.self_attn.q_proj"), HEADS * hd, HIDDEN, 0.02);
+            if i < first_shared || base.legacy_kv {
+                s.matrix(&format!("{p}.self_attn.k_proj"), KV_HEADS * hd, HIDDEN, 0.02);
+                s.matrix(&format!("{p}.self_attn.v_proj"), KV_HEADS * hd, HIDDEN, 0.02);
+                s.vector(&format!("{p}.self_attn.k_norm.weight"), hd, 1.0);
+            }
+            s.matrix(&format!("{p}.self_attn.o_proj"), HIDDEN, HEADS * hd, 0.02);
+            s.vector(&format!("{p}.self_attn.q_norm.weight"), hd, 1.0);
+            s.matrix(&format!("{p}.mlp.gate_proj"), inter, HIDDEN, 0.02);
+            s.matrix(&format!("{p}.mlp.up_proj"), inter, HIDDEN, 0.02);
+            s.matrix(&format!("{p}.mlp.down_proj"), HIDDEN, inter, 0.02);
+            s.matrix(&format!("{p}.per_layer_input_gate"), PER_LAYER, HIDDEN, 0.02);
+            s.matrix(&format!("{p}.per_layer_projection"), HIDDEN, PER_LAYER, 0.02);
+            for norm in [
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+                "post_per_layer_input_norm",
+            ] {
+                s.vector(&format!("{p}.{norm}.weight"), HIDDEN, 1.0);
+            }
+            s.vector(&format!("{p}.layer_scalar"), 1, 0.8);
+        }
+        record(s.save(&dir.join(name(shard + 1))), name(shard + 1));
+    }
+    let index = json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index).unwrap(),
+    )
+    .unwrap();
+}
