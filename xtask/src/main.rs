@@ -24,6 +24,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// Names the Python that interop tests compare against.
 const INTEROP_PYTHON_VAR: &str = "MLX_LOWMEM_PYTHON";
+/// The folder of cc-sentiment's shipped adapter and system prompt.
+const CC_SENTIMENT_VAR: &str = "MLX_LOWMEM_CC_SENTIMENT";
 
 /// The project's automation: the demo, the tests, benchmarks, the adapter
 /// codec on the command line, fixtures and releases.
@@ -174,6 +176,8 @@ fn run(cli: Cli) -> Result<()> {
                 dir.display(),
                 dir.display()
             );
+            let cc = fixtures::cc_sentiment()?;
+            println!("cc-sentiment's adapter and system prompt: {}", cc.display());
             Ok(())
         }
         Cmd::ImportGguf { src, dst, f32 } => {
@@ -202,6 +206,13 @@ fn run(cli: Cli) -> Result<()> {
                 Ok(dir) => std::env::set_var("MLX_LOWMEM_SMOLLM2", dir),
                 Err(e) => eprintln!(
                     "xtask: warning: no SmolLM2 fixture ({}); its tests will skip",
+                    report(&e)
+                ),
+            }
+            match fixtures::cc_sentiment() {
+                Ok(dir) => std::env::set_var(CC_SENTIMENT_VAR, dir),
+                Err(e) => eprintln!(
+                    "xtask: warning: no cc-sentiment adapter ({}); its tests will skip",
                     report(&e)
                 ),
             }
