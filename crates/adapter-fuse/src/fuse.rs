@@ -7,8 +7,8 @@ use std::path::Path;
 
 use mlx_rs::Array;
 use mlx_support::{
-    array_from_bytes, array_to_bytes, fuse_lora, unused_by_mlx_lm, LinearWeights, Lora,
-    LoraLayout, Quantization, QuantizationConfig,
+    array_from_bytes, array_to_bytes, fuse_lora, unused_by_mlx_lm, LinearWeights, Lora, LoraLayout,
+    Quantization, QuantizationConfig,
 };
 use st_mmap::{SafetensorsFile, SafetensorsSet, TensorInfo, TensorView};
 
@@ -323,8 +323,15 @@ pub(crate) fn fuse_model(
     }
 
     st_mmap::ShardIndex::new(weight_map, total_size).write(&out.join(st_mmap::INDEX_FILE))?;
+    // As mlx_lm's `save_config` writes it: the quantization under both
+    // names, without the source's path or the vision config (whose tower
+    // is left out above).
     if let Some(q) = config.get("quantization").cloned() {
         config["quantization_config"] = q;
+    }
+    if let Some(fields) = config.as_object_mut() {
+        fields.remove("_name_or_path");
+        fields.remove("vision_config");
     }
     let out_config = out.join("config.json");
     fs::write(

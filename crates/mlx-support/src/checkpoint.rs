@@ -59,9 +59,13 @@ fn kv_shared_layer_kv(config: &serde_json::Value, key: &str) -> bool {
     ) else {
         return false;
     };
-    let is_kv = [".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm"]
-        .iter()
-        .any(|s| key.contains(s));
+    let is_kv = [
+        ".self_attn.k_proj",
+        ".self_attn.v_proj",
+        ".self_attn.k_norm",
+    ]
+    .iter()
+    .any(|s| key.contains(s));
     let layer = key
         .split_once("layers.")
         .and_then(|(_, rest)| rest.split('.').next())
@@ -99,6 +103,9 @@ mod tests {
         assert!(!unused_by_mlx_lm(&llama, "vision_tower.x"));
         let gemma3 = json!({"model_type": "gemma3"});
         assert!(unused_by_mlx_lm(&gemma3, "multi_modal_projector.w"));
-        assert!(!unused_by_mlx_lm(&gemma3, "language_model.model.norm.weight"));
+        assert!(!unused_by_mlx_lm(
+            &gemma3,
+            "language_model.model.norm.weight"
+        ));
     }
 }

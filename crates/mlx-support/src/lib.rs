@@ -48,8 +48,8 @@ mod quant;
 pub use blas::{
     best_coretype, kernels_in_use, reexec_with_best_kernels, runs_generic_kernels, CpuFeatures,
 };
-pub use checkpoint::unused_by_mlx_lm;
 pub use bytes::{array_from_bytes, array_to_bytes, checked_dtype, checked_shape, mlx_dtype_of};
+pub use checkpoint::unused_by_mlx_lm;
 pub use device::{
     best_device, current_device, is_available, mlx_version, use_device, ComputeDevice, DeviceError,
 };
