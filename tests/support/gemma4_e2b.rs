@@ -40,6 +40,9 @@ pub struct E2bBase {
     /// Layers per weights shard (the embeddings get a shard of their own).
     pub layers_per_shard: i32,
     pub seed: u64,
+    /// Of the scales, biases, norms and dense weights: bfloat16 as
+    /// published, or float32 (MLX's CPU products in bfloat16 are slow).
+    pub dtype: Dtype,
 }
 
 impl Default for E2bBase {
@@ -49,6 +52,7 @@ impl Default for E2bBase {
             legacy_kv: true,
             layers_per_shard: 12,
             seed: 2026,
+            dtype: Dtype::Bfloat16,
         }
     }
 }
@@ -59,6 +63,12 @@ pub fn is_full(i: i32) -> bool {
 }
 
 const PREFIX: &str = "language_model.model.";
+
+/// The q/k norms' weights. Gemma 4 scales attention by 1: with unit norms,
+/// random 256-wide heads would score keys ~16 apart, a softmax so sharp
+/// that rounding differences between implementations pick other keys and
+/// the logits stop being comparable. A quarter keeps scores near 1.
+const QK_NORM: f32 = 0.25;
 
 /// The UD-like plan: module (under the text prefix) → `(group, bits)`, or
 /// `None` for a module left unquantized. Others: group 64, 4 bits.
@@ -151,6 +161,7 @@ pub fn config(base: &E2bBase) -> serde_json::Value {
 struct Shard {
     tensors: Vec<(String, Array)>,
     seed: u64,
+    dtype: Dtype,
 }
 
 impl Shard {
@@ -159,7 +170,7 @@ impl Shard {
         let key = mlx_rs::random::key(self.seed).unwrap();
         mlx_rs::random::normal::<f32>(shape, None, std, &key)
             .unwrap()
-            .as_dtype(Dtype::Bfloat16)
+            .as_dtype(self.dtype)
             .unwrap()
     }
 
@@ -167,7 +178,7 @@ impl Shard {
     fn vector(&mut self, key: &str, len: i32, mean: f32) {
         let v = self
             .normal(&[len], 0.05)
-            .add(Array::from_f32(mean).as_dtype(Dtype::Bfloat16).unwrap())
+            .add(Array::from_f32(mean).as_dtype(self.dtype).unwrap())
             .unwrap();
         self.tensors.push((format!("{PREFIX}{key}"), v));
     }
@@ -211,14 +222,15 @@ impl Shard {
             scales.push(scale);
             biases.push(-scale * (levels - 1.0) / 2.0);
         }
-        let as_bf16 = |v: Vec<f32>| {
+        let dtype = self.dtype;
+        let scaled = |v: Vec<f32>| {
             Array::from_slice(&v, &[rows, cols / group])
-                .as_dtype(Dtype::Bfloat16)
+                .as_dtype(dtype)
                 .unwrap()
         };
         self.tensors.push((key("weight"), packed));
-        self.tensors.push((key("scales"), as_bf16(scales)));
-        self.tensors.push((key("biases"), as_bf16(biases)));
+        self.tensors.push((key("scales"), scaled(scales)));
+        self.tensors.push((key("biases"), scaled(biases)));
     }
 
     fn save(self, path: &Path) -> Vec<String> {
@@ -248,6 +260,7 @@ pub fn write(dir: &Path, base: &E2bBase) {
     let mut s = Shard {
         tensors: Vec::new(),
         seed: base.seed,
+        dtype: base.dtype,
     };
     s.matrix("embed_tokens", base.vocab, HIDDEN, 0.03);
     s.matrix(
@@ -281,6 +294,7 @@ pub fn write(dir: &Path, base: &E2bBase) {
         let mut s = Shard {
             tensors: Vec::new(),
             seed: seed + 1_000 * (shard as u64 + 1),
+            dtype: base.dtype,
         };
         let layers =
             shard * base.layers_per_shard..((shard + 1) * base.layers_per_shard).min(LAYERS);
@@ -310,10 +324,10 @@ pub fn write(dir: &Path, base: &E2bBase) {
                     HIDDEN,
                     0.02,
                 );
-                s.vector(&format!("{p}.self_attn.k_norm.weight"), hd, 1.0);
+                s.vector(&format!("{p}.self_attn.k_norm.weight"), hd, QK_NORM);
             }
             s.matrix(&format!("{p}.self_attn.o_proj"), HIDDEN, HEADS * hd, 0.02);
-            s.vector(&format!("{p}.self_attn.q_norm.weight"), hd, 1.0);
+            s.vector(&format!("{p}.self_attn.q_norm.weight"), hd, QK_NORM);
             s.matrix(&format!("{p}.mlp.gate_proj"), inter, HIDDEN, 0.02);
             s.matrix(&format!("{p}.mlp.up_proj"), inter, HIDDEN, 0.02);
             s.matrix(&format!("{p}.mlp.down_proj"), HIDDEN, inter, 0.02);

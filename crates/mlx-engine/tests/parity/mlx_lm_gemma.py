@@ -3,7 +3,9 @@
 Usage: mlx_lm_gemma.py MODEL_DIR REQUEST_JSON
 
 REQUEST_JSON: {"prefix": [ids], "suffixes": [[ids], ...], "max_tokens": N,
-"eos": [ids]}. For every row (prefix + suffix), with mlx_lm's own caches
+"eos": [ids]}, optionally "allowed": [ids] (a logits processor that leaves
+only those tokens, as cc-sentiment's does) and "batch_only": true (skip the
+rows alone). For every row (prefix + suffix), with mlx_lm's own caches
 (rotating ones on sliding layers):
 
 - "alone_logits": the last prompt position's logits, the prefix and the
@@ -54,8 +56,19 @@ def main():
     model(mx.array([prefix]), cache=prefix_cache)
     mx.eval([c.state for c in prefix_cache])
 
+    processors = []
+    if request.get("allowed") is not None:
+        allowed = mx.array(request["allowed"])
+
+        def only_allowed(tokens, logits):
+            kept = mx.full(logits.shape, -1e9)
+            kept[..., allowed] = logits[..., allowed]
+            return kept
+
+        processors.append(only_allowed)
+
     alone_logits, alone_greedy = [], []
-    for suffix in suffixes:
+    for suffix in [] if request.get("batch_only") else suffixes:
         cache = copy.deepcopy(prefix_cache)
         logits = model(mx.array([suffix]), cache=cache)[0, -1]
         alone_logits.append(logits.astype(mx.float32).tolist())
@@ -76,6 +89,7 @@ def main():
         prompt_caches=caches,
         max_tokens=max_tokens,
         return_token_ids=True,
+        logits_processors=processors,
     )
     print(
         json.dumps(

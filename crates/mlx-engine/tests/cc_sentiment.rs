@@ -1,0 +1,217 @@
+//! The `cc_sentiment` example end to end on a base that can be made here: a
+//! Gemma 4 checkpoint with E2B's real shapes and random 4-bit weights (the
+//! real base cannot be downloaded where tests run), the adapter
+//! cc-sentiment ships (`cargo xtask fixtures`), a word-level tokenizer. The
+//! labels are meaningless on random weights; they must equal mlx_lm 0.32.2's
+//! `batch_generate` on the same fused folder, same prompts (each from a copy
+//! of the prefix's prompt cache) and same label-only logits processor.
+//! Skips, saying so, without the adapter or the Python.
+
+#[path = "../../../tests/support/gemma4_e2b.rs"]
+mod gemma4_e2b;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use mlx_engine::{Message, SpecialTokens, Tokenizer};
+use serde_json::json;
+
+const WORDS: usize = 200;
+
+/// The example, built by `cargo test` beside this test.
+fn example() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let path = profile
+        .join("examples")
+        .join(format!("cc_sentiment{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        path.is_file(),
+        "{} is missing: `cargo test` builds it",
+        path.display()
+    );
+    path
+}
+
+/// A word-level tokenizer (`w0`…, the digits, Gemma-like turn markers) and
+/// a chat template in Gemma's shape.
+fn write_tokenizer(dir: &Path) {
+    let mut vocab = serde_json::Map::new();
+    let specials = [
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<unk>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+    ];
+    for (i, token) in specials.iter().enumerate() {
+        vocab.insert((*token).into(), i.into());
+    }
+    for n in 1..=5 {
+        vocab.insert(n.to_string(), (specials.len() + n - 1).into());
+    }
+    let first_word = specials.len() + 5;
+    for i in 0..WORDS {
+        vocab.insert(format!("w{i}"), (first_word + i).into());
+    }
+    let added: Vec<_> = specials
+        .iter()
+        .enumerate()
+        .map(|(id, content)| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }} {{ m.content }}<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}";
+    let config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 1}"#).unwrap();
+}
+
+fn python(test: &str) -> Option<String> {
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&python)
+        .args(["-c", "import mlx_lm"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("SKIP {test}: {python} lacks mlx_lm (cargo xtask test provides it)");
+    }
+    ok.then_some(python)
+}
+
+#[test]
+fn the_example_labels_as_mlx_lm_does_on_the_same_fused_model() {
+    let test = "the_example_labels_as_mlx_lm_does_on_the_same_fused_model";
+    let Some(shipped) = std::env::var_os("MLX_LOWMEM_CC_SENTIMENT").map(PathBuf::from) else {
+        eprintln!("SKIP {test}: MLX_LOWMEM_CC_SENTIMENT is not set (cargo xtask fixtures fetches the adapter)");
+        return;
+    };
+    let Some(python) = python(test) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    // float32 scales and norms: MLX's CPU products in bfloat16 would make
+    // mlx_lm's side take a quarter of an hour.
+    let config = gemma4_e2b::E2bBase {
+        vocab: 256,
+        dtype: mlx_rs::Dtype::Float32,
+        ..gemma4_e2b::E2bBase::default()
+    };
+    gemma4_e2b::write(&base, &config);
+    write_tokenizer(&base);
+
+    // A short system prompt of words the tokenizer knows and does not: the
+    // random model's cost stays small on the CPU.
+    let system: String = (0..12).map(|i| format!("w{} ", (i * 13) % 250)).collect();
+    let system_path = dir.path().join("system.txt");
+    std::fs::write(&system_path, &system).unwrap();
+    let texts = ["w3 w4 w5", "continue", "AI: w1 w2", "w100 w120 w140 w160"];
+    let input = dir.path().join("texts.jsonl");
+    let lines: Vec<String> = texts
+        .iter()
+        .map(|t| json!({"text": t}).to_string())
+        .collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+
+    let run = Command::new(example())
+        .arg("--adapter-dir")
+        .arg(&shipped)
+        .arg("--system-prompt")
+        .arg(&system_path)
+        .arg("--base")
+        .arg(&base)
+        .arg("--input")
+        .arg(&input)
+        .arg("--cache")
+        .arg(dir.path().join("hub"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "the example failed: {stderr}");
+    eprintln!("{stderr}");
+    let labels: Vec<String> = String::from_utf8_lossy(&run.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["label"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(labels.len(), texts.len());
+    assert!(
+        labels
+            .iter()
+            .all(|l| ["1", "2", "3", "4", "5"].contains(&l.as_str())),
+        "{labels:?}"
+    );
+    let fused = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("fused model: "))
+        .map(PathBuf::from)
+        .expect("the example names the fused folder");
+
+    // The same prompts as token ids for mlx_lm, the prefix's cache copied
+    // per conversation, the same label tokens allowed.
+    let tokenizer = Tokenizer::load(&fused).unwrap();
+    let system = Message::new("system", system);
+    let prefix = tokenizer
+        .chat_tokens(std::slice::from_ref(&system), false, SpecialTokens::AsText)
+        .unwrap();
+    let suffixes: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| {
+            let body = t.trim();
+            let content = if body.starts_with("DEVELOPER:") || body.starts_with("AI:") {
+                format!("CONVERSATION:\n{body}")
+            } else {
+                format!("CONVERSATION:\nDEVELOPER: {body}")
+            };
+            let conversation = [system.clone(), Message::new("user", content)];
+            let all = tokenizer
+                .chat_tokens(&conversation, true, SpecialTokens::AsText)
+                .unwrap();
+            all.strip_prefix(prefix.as_slice()).unwrap().to_vec()
+        })
+        .collect();
+    let allowed: Vec<u32> = (1..=5)
+        .map(|n| *tokenizer.encode(&n.to_string()).unwrap().last().unwrap())
+        .collect();
+    let request = dir.path().join("request.json");
+    let body = json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [1],
+                      "allowed": allowed, "batch_only": true});
+    std::fs::write(&request, body.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_gemma.py");
+    let out = Command::new(&python)
+        .arg(script)
+        .arg(&fused)
+        .arg(&request)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reference["version"], "0.32.2");
+    let theirs: Vec<String> = reference["batch_greedy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ids| {
+            let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
+            tokenizer.decode(&ids).unwrap()
+        })
+        .collect();
+    assert_eq!(labels, theirs, "ours vs mlx_lm batch_generate");
+}
