@@ -7,6 +7,7 @@
 //! mlx_lm 0.31.3 and with 0.32.2, leaves out what they leave out, and loads
 //! in both. Skips, saying so, without the adapter or the Python.
 
+mod common;
 #[path = "../../../tests/support/gemma4_e2b.rs"]
 mod gemma4_e2b;
 
@@ -325,4 +326,15 @@ fn the_shipped_adapter_on_a_base_of_other_shapes_is_a_typed_error() {
         .filter(|n| n != ".locks")
         .collect();
     assert!(entries.is_empty(), "{entries:?}");
+    // The cache still works: another adapter fuses into it.
+    common::dense_base(&hub);
+    let other = dir.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    let (codec, _, _) = common::adapter(&other, common::CONFIG);
+    let fused = FuseOptions::from_env()
+        .with_cache_root(&hub)
+        .with_offline(true)
+        .ensure_fused(common::REPO, &codec, common::NS)
+        .unwrap();
+    assert!(fused.join("config.json").is_file());
 }
