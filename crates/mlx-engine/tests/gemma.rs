@@ -4,7 +4,8 @@
 //! different head sizes per layer type, KV-shared layers of both types,
 //! per-layer input embeddings, layer scalars ≠ 1, the logit softcap,
 //! multimodal layouts (mlx_lm's and Hugging Face's, with towers and the
-//! unused k/v weights of 0.31.3-era checkpoints), f32 and mixed 4/8-bit.
+//! unused k/v weights of 0.31.3-era checkpoints), f32 and mixed 4/8-bit;
+//! a prefix and a prompt longer than the engine's prefill pieces.
 
 mod common;
 
@@ -146,7 +147,7 @@ fn write_gemma4(dir: &Path, layout: Layout, quantized: bool) {
             "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}
         },
         "final_logit_softcapping": 4.0, "use_double_wide_mlp": true, "tie_word_embeddings": true,
-        "max_position_embeddings": 512, "eos_token_id": 44
+        "max_position_embeddings": 2048, "eos_token_id": 44
     });
     let mut w = Writer {
         prefix: layout.text_prefix(),
@@ -281,7 +282,7 @@ fn write_gemma3(dir: &Path, layout: Layout) {
         "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "rope_theta": 1e6,
         "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 12, "sliding_window": WINDOW,
-        "sliding_window_pattern": 3, "max_position_embeddings": 512, "eos_token_id": 44
+        "sliding_window_pattern": 3, "max_position_embeddings": 2048, "eos_token_id": 44
     });
     let mut w = Writer {
         prefix: layout.text_prefix(),
@@ -343,15 +344,19 @@ fn write_gemma3(dir: &Path, layout: Layout) {
     write_tokenizer(dir, false);
 }
 
-/// A system prompt three times the window, and users' messages from one
-/// word to far past the window (the longest makes the sliding layers drop
-/// positions while it is prefilled).
+/// A system prompt longer than the engine's 256-position prefill pieces
+/// (so the prefix is prefilled in two, the sliding layers dropping
+/// positions between them), and users' messages from one word to past a
+/// piece as well.
 fn system() -> Message {
-    Message::new("system", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13")
+    let words: Vec<String> = (0..270)
+        .map(|i| format!("w{}", (i * 11 + 1) % 40))
+        .collect();
+    Message::new("system", words.join(" "))
 }
 
 fn conversations() -> Vec<Vec<Message>> {
-    let long: Vec<String> = (0..90).map(|i| format!("w{}", (i * 7) % 40)).collect();
+    let long: Vec<String> = (0..300).map(|i| format!("w{}", (i * 7) % 40)).collect();
     [
         "w7".to_owned(),
         "w8 w9 w10 w11 w12 w13".into(),
