@@ -96,7 +96,7 @@ fn plan(module: &str) -> Option<Option<(i32, i32)>> {
     None
 }
 
-fn quantization(base: &E2bBase) -> serde_json::Value {
+fn quantization() -> serde_json::Value {
     let mut q = json!({"group_size": 64, "bits": 4, "mode": "affine"});
     let mut modules = vec!["per_layer_model_projection".to_owned()];
     for i in 0..LAYERS {
@@ -109,7 +109,6 @@ fn quantization(base: &E2bBase) -> serde_json::Value {
             modules.push(format!("layers.{i}.{m}"));
         }
     }
-    let _ = base;
     for m in modules {
         if let Some(own) = plan(&m) {
             q[format!("{PREFIX}{m}")] = match own {
@@ -152,7 +151,7 @@ pub fn config(base: &E2bBase) -> serde_json::Value {
         },
         "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16},
         "audio_config": {"model_type": "gemma4_audio", "hidden_size": 16},
-        "quantization": quantization(base),
+        "quantization": quantization(),
         "eos_token_id": [1, 106],
         "tie_word_embeddings": true
     })

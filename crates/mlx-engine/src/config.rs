@@ -103,8 +103,9 @@ impl ModelConfig {
             serde_json::from_value(fields.clone()).map_err(|e| bad(e.to_string()))?;
         config.check().map_err(bad)?;
         if text_fields.is_some() {
-            let mut spec = crate::gemma_config::GemmaSpec::resolve(fields, &config).map_err(bad)?;
-            spec.multimodal = matches!(model_type, "gemma3" | "gemma4");
+            let multimodal = matches!(model_type, "gemma3" | "gemma4");
+            let spec = crate::gemma_config::GemmaSpec::resolve(fields, &config, multimodal)
+                .map_err(bad)?;
             config.gemma = Some(spec);
         }
         Ok(config)

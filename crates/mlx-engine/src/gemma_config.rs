@@ -178,8 +178,13 @@ fn flag(fields: &Map<String, Value>, key: &str) -> bool {
 
 impl GemmaSpec {
     /// Resolves the layers of the Gemma config whose text fields are
-    /// `fields` (from [`text_fields`]) and common part `config`.
-    pub(crate) fn resolve(fields: &Value, config: &ModelConfig) -> Result<GemmaSpec, String> {
+    /// `fields` (from [`text_fields`]) and common part `config`;
+    /// `multimodal`: the weights sit under `language_model.`.
+    pub(crate) fn resolve(
+        fields: &Value,
+        config: &ModelConfig,
+        multimodal: bool,
+    ) -> Result<GemmaSpec, String> {
         let fields = fields.as_object().ok_or("the config must be an object")?;
         let version = if config.model_type == GEMMA3_TEXT {
             Version::Three
@@ -242,7 +247,7 @@ impl GemmaSpec {
             }
             Version::Four => Self::resolve_four(fields, config, window, pattern)?,
         };
-        Ok(spec)
+        Ok(GemmaSpec { multimodal, ..spec })
     }
 
     fn resolve_four(

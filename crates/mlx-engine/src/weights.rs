@@ -112,14 +112,17 @@ impl Weights<'_> {
         let (gs, bits) = (q.group_size as usize, q.bits as usize);
         let weight_key = format!("{prefix}.weight");
         if !cols.is_multiple_of(gs) || !(cols * bits).is_multiple_of(32) {
+            // No packing of these bits fits the row: the checkpoint's
+            // shape is not the config's.
+            let actual = self
+                .set
+                .tensor(&weight_key)
+                .map_or_else(Vec::new, |v| v.shape.to_vec());
             return Err(Error::WeightShape {
                 path: self.file_of(&weight_key),
                 key: weight_key,
                 expected: vec![rows, cols],
-                actual: self
-                    .set
-                    .tensor(&format!("{prefix}.weight"))
-                    .map_or_else(Vec::new, |v| v.shape.to_vec()),
+                actual,
             });
         }
         let weight = self.array(&weight_key, &[rows, cols * bits / 32])?;

@@ -7,6 +7,7 @@
 //! of the prefix's prompt cache) and same label-only logits processor.
 //! Skips, saying so, without the adapter or the Python.
 
+mod common;
 #[path = "../../../tests/support/gemma4_e2b.rs"]
 mod gemma4_e2b;
 
@@ -79,18 +80,6 @@ fn write_tokenizer(dir: &Path) {
     std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 1}"#).unwrap();
 }
 
-fn python(test: &str) -> Option<String> {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&python)
-        .args(["-c", "import mlx_lm"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("SKIP {test}: {python} lacks mlx_lm (cargo xtask test provides it)");
-    }
-    ok.then_some(python)
-}
-
 #[test]
 fn the_example_labels_as_mlx_lm_does_on_the_same_fused_model() {
     let test = "the_example_labels_as_mlx_lm_does_on_the_same_fused_model";
@@ -98,7 +87,9 @@ fn the_example_labels_as_mlx_lm_does_on_the_same_fused_model() {
         eprintln!("SKIP {test}: MLX_LOWMEM_CC_SENTIMENT is not set (cargo xtask fixtures fetches the adapter)");
         return;
     };
-    let Some(python) = python(test) else { return };
+    let Some(python) = common::mlx_lm_python(test) else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base");
     // float32 scales and norms: MLX's CPU products in bfloat16 would make

@@ -12,7 +12,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{normal, write_tokenizer, VOCAB};
+use common::{mlx_lm_python, normal, write_tokenizer, VOCAB};
 use mlx_engine::{
     EngineConfig, Error, GenerateOptions, KvCache, Message, MlxEngine, Model, QuantizedWeights,
     SpecialTokens, Tokenizer,
@@ -368,19 +368,6 @@ fn conversations() -> Vec<Vec<Message>> {
     .into_iter()
     .map(|u| vec![system(), Message::new("user", u)])
     .collect()
-}
-
-/// The interop Python, or `None`, said on stderr, when it lacks mlx_lm.
-fn mlx_lm_python(test: &str) -> Option<String> {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&python)
-        .args(["-c", "import mlx_lm"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        eprintln!("SKIP {test}: {python} lacks mlx_lm (cargo xtask test provides it)");
-    }
-    has.then_some(python)
 }
 
 #[derive(serde::Deserialize)]

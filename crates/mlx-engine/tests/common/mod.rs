@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use std::path::Path;
+use std::process::Command;
 
 use mlx_engine::{
     EngineConfig, KvCache, Message, MlxEngine, Model, QuantizedWeights, SpecialTokens, Tokenizer,
@@ -176,4 +177,17 @@ pub fn reference(dir: &Path, conversation: &[Message], max_tokens: usize) -> Str
         ids.push(id);
     }
     tokenizer.decode(&out).unwrap()
+}
+
+/// The interop Python, or `None`, said on stderr, when it lacks mlx_lm.
+pub fn mlx_lm_python(test: &str) -> Option<String> {
+    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = Command::new(&python)
+        .args(["-c", "import mlx_lm"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has {
+        eprintln!("SKIP {test}: {python} lacks mlx_lm (cargo xtask test provides it)");
+    }
+    has.then_some(python)
 }
