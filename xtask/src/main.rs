@@ -263,6 +263,11 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
             &[],
         )?;
     }
+    if let Some(python) = prereqs::interop_python() {
+        // The stream, fuse and engine benches run the Python originals
+        // beside ours when they find it.
+        std::env::set_var(INTEROP_PYTHON_VAR, python);
+    }
     if all || which == Bench::Stream {
         cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
     }
@@ -271,9 +276,6 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
             continue;
         }
         std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
-        if let Some(python) = prereqs::interop_python() {
-            std::env::set_var(INTEROP_PYTHON_VAR, python);
-        }
         let name = if bench == Bench::Fuse {
             "fuse"
         } else {

@@ -152,8 +152,14 @@ fn cxx_present() -> bool {
 
 /// Python packages the interop tests compare against (the reference's own
 /// libraries), pinned: zstandard for the codec, MLX (the same 0.32.2 as our
-/// build) and mlx-lm for fusing parity.
-const INTEROP_PACKAGES: &[&str] = &["zstandard==0.25.0", "mlx[cpu]==0.32.2", "mlx-lm==0.31.3"];
+/// build), mlx-lm for fusing parity, mlx-arsenal for the stream benchmark's
+/// Python side.
+const INTEROP_PACKAGES: &[&str] = &[
+    "zstandard==0.25.0",
+    "mlx[cpu]==0.32.2",
+    "mlx-lm==0.31.3",
+    "mlx-arsenal==0.17.0",
+];
 
 /// mlx-lm 0.32.2, the reference of the engine's Gemma parity tests, kept
 /// beside the venv's 0.31.3 (which the fusing tests compare against: it is

@@ -9,14 +9,13 @@ pub enum Error {
     /// Opening, mapping or indexing a safetensors file failed.
     #[error(transparent)]
     Safetensors(#[from] st_mmap::Error),
-    /// Mapping a block's bytes failed.
-    #[error("{path}: mapping bytes {offset}..{end}: {source}")]
-    Map {
+    /// MLX's loader could not make a lazy load of a tensor (or read it
+    /// with another shape or dtype than the validated header says).
+    #[error("{path}: {key}: {message}")]
+    Load {
         path: PathBuf,
-        offset: u64,
-        end: u64,
-        #[source]
-        source: std::io::Error,
+        key: String,
+        message: String,
     },
     /// No key starts with the block prefix.
     #[error("no key in {paths:?} starts with block prefix {prefix:?}")]

@@ -2,10 +2,11 @@
 //! block's weights at a time into a single shared block module, so resident
 //! memory stays near one block instead of all of them.
 //!
-//! [`BlockStreamer`] maps each block's bytes from the safetensors files
-//! (copy-on-write, paged in lazily), turns them into MLX arrays without
-//! copying, and swaps them into the module; the previous block's arrays are
-//! freed and unmapped as they are replaced. [`BlockLoraSource`] indexes
+//! [`BlockStreamer`] swaps each block's tensors into the module as MLX's
+//! own lazy loads from the safetensors files (headers validated by
+//! `st-mmap`): each tensor is read once, when first evaluated, straight
+//! into the buffer MLX keeps for it, and the previous block's arrays are
+//! freed as they are replaced. [`BlockLoraSource`] indexes
 //! per-block LoRA pairs, and a [`LoraFuser`] ([`DenseLoraFuser`],
 //! [`QuantizedLoraFuser`] or any closure) applies them while binding.
 //!
@@ -65,8 +66,8 @@
 //! error, not silently ignored.
 
 mod error;
+mod loader;
 mod lora;
-mod mapped;
 mod streamer;
 
 pub use error::{Error, Result};

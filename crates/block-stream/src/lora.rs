@@ -2,14 +2,12 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use mlx_rs::Array;
-use mlx_support::{fuse_lora, LinearWeights, Lora, LoraLayout, Quantization};
-use st_mmap::{BlockPrefix, Header, TensorInfo};
+use mlx_support::{array_from_bytes, fuse_lora, LinearWeights, Lora, LoraLayout, Quantization};
+use st_mmap::{BlockPrefix, SafetensorsFile};
 
 use crate::error::{Error, Result};
-use crate::mapped::{array_over, MappedRange, TensorAt};
 
 const A_SUFFIX: &str = ".lora_A.weight";
 const B_SUFFIX: &str = ".lora_B.weight";
@@ -31,17 +29,16 @@ pub struct LoraPair {
 /// Keys (after the optional key mapper) of the form
 /// `{prefix}{i}.{param}.lora_A.weight` / `….lora_B.weight` form block `i`'s
 /// pair for `param`. Keys outside the prefix, other suffixes (e.g. `.alpha`)
-/// and unpaired halves are ignored. The arrays are zero-copy views of a
-/// private mapping of the file.
+/// and unpaired halves are ignored.
 #[derive(Debug)]
 pub struct BlockLoraSource {
     path: PathBuf,
     strength: f32,
     /// Block → param → (key of A, key of B), keys as stored in the file.
     pairs: BTreeMap<usize, BTreeMap<String, (String, String)>>,
-    header: Header,
-    /// The whole file, mapped once (privately, for zero-copy arrays).
-    range: Arc<MappedRange>,
+    /// The file, mapped: LoRA matrices are small and copied into MLX
+    /// arrays when a block asks for them.
+    file: SafetensorsFile,
 }
 
 impl BlockLoraSource {
@@ -59,28 +56,8 @@ impl BlockLoraSource {
         key_mapper: impl Fn(&str) -> Option<String>,
     ) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        // One private mapping of the whole file serves the header and every
-        // array made from it.
-        let io = |source| {
-            Error::Safetensors(st_mmap::Error::Io {
-                path: path.clone(),
-                source,
-            })
-        };
-        let file = std::fs::File::open(&path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
-        let header_err = |source| {
-            Error::Safetensors(st_mmap::Error::Header {
-                path: path.clone(),
-                source,
-            })
-        };
-        if len < 8 {
-            // Too short to map and read: a mapping past a file's end faults.
-            return Err(header_err(st_mmap::HeaderError::TooShort { file_len: len }));
-        }
-        let range = MappedRange::map(&path, &file, 0, len)?;
-        let header = st_mmap::parse_header(range.bytes(), len).map_err(header_err)?;
+        let file = SafetensorsFile::open(&path)?;
+        let header = file.header();
         let prefix = BlockPrefix::new(block_prefix);
         let mut halves: BTreeMap<(usize, String), (Option<String>, Option<String>)> =
             BTreeMap::new();
@@ -107,8 +84,7 @@ impl BlockLoraSource {
             path,
             strength,
             pairs,
-            header,
-            range,
+            file,
         })
     }
 
@@ -129,7 +105,6 @@ impl BlockLoraSource {
 
     /// Block `idx`'s pairs, sorted by parameter.
     pub fn pairs(&self, idx: usize) -> Result<Vec<LoraPair>> {
-        let (header, range) = (&self.header, &self.range);
         let Some(params) = self.pairs.get(&idx) else {
             return Ok(Vec::new());
         };
@@ -137,16 +112,8 @@ impl BlockLoraSource {
             .iter()
             .map(|(param, (a, b))| {
                 let load = |key: &str| -> Result<Array> {
-                    let info: &TensorInfo = header.tensor(key).expect("indexed key");
-                    let start = (header.data_start() + info.data_offsets.0) as u64;
-                    let tensor = TensorAt {
-                        key,
-                        dtype: info.dtype,
-                        shape: &info.shape,
-                        file_offset: start,
-                        len: info.byte_len(),
-                    };
-                    Ok(array_over(range, tensor)?.0)
+                    let t = self.file.tensor(key).expect("indexed key");
+                    Ok(array_from_bytes(key, t.dtype, t.shape, t.data)?)
                 };
                 Ok(LoraPair {
                     param: param.clone(),

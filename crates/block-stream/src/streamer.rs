@@ -12,22 +12,20 @@ use crate::error::{Error, Result};
 use crate::lora::{BlockLoraSource, LoraFuser};
 use mlx_support::{checked_dtype, checked_shape};
 
-use crate::mapped::{array_over, MappedRange, TensorAt};
+use crate::loader::LazyFile;
 
-/// Streams transformer blocks from memory-mapped safetensors into one shared
-/// block module.
+/// Streams transformer blocks from safetensors files into one shared block
+/// module.
 ///
-/// Each [`bind`](Self::bind) maps block `i`'s tensors one at a time
-/// (copy-on-write, lazily paged in), offers the bytes to MLX without copying
-/// and swaps each array into the module as soon as it exists. The streamer
-/// keeps no reference to a bound block's arrays, so the previous block's
-/// arrays are freed as they are replaced: resident memory stays near one
-/// block. Where MLX must copy (its CPU allocator), each tensor's mapping is
-/// released right after its copy.
+/// Each [`bind`](Self::bind) swaps block `i`'s tensors into the module as
+/// MLX's own lazy loads: nothing is read until the module's output is
+/// evaluated, and then each tensor is read once, straight into the buffer
+/// MLX keeps for it. The streamer keeps no reference to a bound block's
+/// arrays, so the previous block's arrays are freed as they are replaced:
+/// resident memory stays near one block.
 ///
-/// The memory-map contract of [`st_mmap::SafetensorsFile::open`] applies to
-/// every weights file: it must not change while the streamer or any array
-/// made from it is alive.
+/// The files must not change while the streamer or any array loaded from
+/// it is alive (headers are validated once, at [`new`](Self::new)).
 pub struct BlockStreamer {
     set: SafetensorsSet,
     prefix: BlockPrefix,
@@ -35,8 +33,9 @@ pub struct BlockStreamer {
     fuser: Option<Box<dyn LoraFuser>>,
     prefetch: bool,
     prefetcher: Option<std::thread::JoinHandle<()>>,
-    zero_copy: (usize, usize),
     clear_cache: bool,
+    /// One per file of `set`, in its order.
+    files: Vec<LazyFile>,
 }
 
 impl std::fmt::Debug for BlockStreamer {
@@ -76,13 +75,17 @@ impl BlockStreamer {
             });
         }
         Ok(BlockStreamer {
+            files: set
+                .files()
+                .iter()
+                .map(|f| LazyFile::new(f.path()))
+                .collect(),
             set,
             prefix,
             index,
             fuser: None,
-            prefetch: false,
+            prefetch: true,
             prefetcher: None,
-            zero_copy: (0, 0),
             clear_cache: true,
         })
     }
@@ -93,20 +96,25 @@ impl BlockStreamer {
         self
     }
 
-    /// When on, each `bind(i)` starts a background thread that reads block
-    /// `i + 1`'s bytes into the OS page cache, so that its I/O overlaps block
-    /// `i`'s compute. (A plain reader thread rather than `madvise`, which
-    /// can block the caller while it queues the reads.)
+    /// When on (the default), each `bind(i)` starts a background thread that
+    /// asks the OS to read block `i + 1`'s bytes into its page cache
+    /// (`posix_fadvise(WILLNEED)` on Linux, a plain read loop elsewhere), so
+    /// that the disk works while block `i` computes. It pays off when the
+    /// file is not in the page cache (a quarter off a cold pass on the
+    /// bench model) and costs nothing measurable when it is
+    /// (docs/block-stream.md has the figures).
     pub fn with_prefetch(mut self, on: bool) -> BlockStreamer {
         self.prefetch = on;
         self
     }
 
-    /// Whether `bind` returns MLX's buffer cache to the OS after replacing a
-    /// block's weights (default on). The replaced block's buffers go to that
-    /// cache when freed; clearing it keeps resident memory near one block,
-    /// while keeping it saves re-allocating buffers of the same sizes. (The
-    /// Python original clears it when `bind` is given `evict_previous`.)
+    /// Whether `bind` keeps MLX's buffer cache from growing past one block
+    /// (default on). The replaced block's buffers go to that cache when
+    /// freed, and the new block's tensors are read into them when they are
+    /// the same sizes, which saves faulting in fresh memory for every block.
+    /// So `bind` returns the cache to the OS only when it holds more bytes
+    /// than the block just bound (blocks of other shapes); off, it never
+    /// does. (The Python original clears the cache after every block.)
     pub fn with_cache_clearing(mut self, on: bool) -> BlockStreamer {
         self.clear_cache = on;
         self
@@ -132,11 +140,6 @@ impl BlockStreamer {
         Ok(self.params(idx)?.keys().cloned().collect())
     }
 
-    /// How many arrays were made without copying, out of all made.
-    pub fn zero_copy_stats(&self) -> (usize, usize) {
-        self.zero_copy
-    }
-
     /// Keys that are not block weights (embeddings, final norm, head, …).
     pub fn other_keys(&self) -> Vec<String> {
         self.set
@@ -146,7 +149,8 @@ impl BlockStreamer {
             .collect()
     }
 
-    /// A zero-copy array of any tensor, e.g. a non-block parameter.
+    /// Any tensor (e.g. a non-block parameter) as a lazy load, read when
+    /// first evaluated.
     pub fn tensor(&mut self, key: &str) -> Result<Array> {
         self.array(key)
     }
@@ -165,6 +169,13 @@ impl BlockStreamer {
             .expect("indexed keys are in the set"))
     }
 
+    /// `key`'s tensor as MLX's lazy load from its file.
+    fn array(&mut self, key: &str) -> Result<Array> {
+        let file = self.file_index(key)?;
+        let (_, shape, dtype) = self.expected(key, key)?;
+        self.files[file].take(key, &shape, dtype)
+    }
+
     /// The file bytes of `key`.
     fn byte_range(&self, file: usize, key: &str) -> (u64, u64) {
         let header = self.set.files()[file].header();
@@ -176,32 +187,6 @@ impl BlockStreamer {
         )
     }
 
-    /// An array of `key` over its own mapping of just its bytes.
-    fn array(&mut self, key: &str) -> Result<Array> {
-        let file = self.file_index(key)?;
-        let (start, end) = self.byte_range(file, key);
-        let st = &self.set.files()[file];
-        let range = MappedRange::map(st.path(), st.file(), start, end)?;
-        let info = self.set.files()[file]
-            .header()
-            .tensor(key)
-            .expect("indexed");
-        let (array, in_place) = array_over(
-            &range,
-            TensorAt {
-                key,
-                dtype: info.dtype,
-                shape: &info.shape,
-                file_offset: start,
-                len: (end - start) as usize,
-            },
-        )?;
-        self.zero_copy.0 += usize::from(in_place);
-        self.zero_copy.1 += 1;
-        Ok(array)
-    }
-
-    /// The shape and MLX dtype `key` will have, from its header.
     fn expected(&self, param: &str, key: &str) -> Result<(String, Vec<i32>, Dtype)> {
         let file = self.file_index(key)?;
         let info = self.set.files()[file]
@@ -211,6 +196,16 @@ impl BlockStreamer {
         let dtype = checked_dtype(key, info.dtype)?;
         let shape = checked_shape(key, &info.shape)?;
         Ok((param.to_owned(), shape, dtype))
+    }
+
+    /// Bytes of block `idx`'s tensors.
+    fn block_bytes(&self, idx: usize) -> Result<usize> {
+        let mut bytes = 0;
+        for key in self.params(idx)?.values() {
+            let (start, end) = self.byte_range(self.file_index(key)?, key);
+            bytes += (end - start) as usize;
+        }
+        Ok(bytes)
     }
 
     /// For each file, the smallest byte range holding all of block `idx`.
@@ -297,24 +292,29 @@ impl BlockStreamer {
                 }
             }
             _ => {
-                // Checked from the headers first; then each array replaces
-                // its predecessor as soon as it exists, so the old and the
-                // new block are never resident together.
+                // Checked from the headers, then all made before any is
+                // assigned, so that an error changes nothing. They are lazy
+                // loads: nothing of the new block is read before the old one
+                // is replaced.
                 let expected = params
                     .iter()
                     .map(|(param, key)| self.expected(param, key))
                     .collect::<Result<_>>()?;
                 check_against(block, idx, expected)?;
+                let arrays = params
+                    .iter()
+                    .map(|(param, key)| Ok((param, self.array(key)?)))
+                    .collect::<Result<Vec<_>>>()?;
                 let mut slots = block.parameters_mut().flatten();
-                for (param, key) in &params {
-                    let array = self.array(key)?;
+                for (param, array) in arrays {
                     **slots.get_mut(param.as_str()).expect("checked") = array;
                 }
             }
         }
-        if self.clear_cache {
-            // The previous block's buffers went to MLX's cache as they were
-            // replaced; give them back to the OS.
+        if self.clear_cache && mlx_rs::memory::cache_memory()? > self.block_bytes(idx)? {
+            // The replaced block's buffers are in MLX's cache; the new
+            // block's reads will reuse as many bytes as it has, and what is
+            // beyond that would only sit there.
             mlx_rs::memory::clear_cache()?;
         }
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use block_stream::BlockStreamer;
+use mlx_rs::module::ModuleParameters;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_support::ProcessMemory;
 
@@ -18,9 +19,11 @@ use crate::synthetic::{Block, Spec, PREFIX};
 pub enum Mode {
     /// Every block bound into its own module before the pass.
     AllLoaded,
-    /// One module, rebound block by block, the previous one evicted.
+    /// One module, rebound block by block, the previous one evicted, with
+    /// prefetching turned off.
     Streamed,
-    /// As `Streamed`, with the next block read ahead.
+    /// As `Streamed`, with the next block read ahead (the streamer's
+    /// default).
     Prefetched,
 }
 
@@ -47,8 +50,9 @@ impl Mode {
 /// One pass, measured in its own process.
 #[derive(Debug, Clone)]
 pub struct PassReport {
-    /// How the weights were bound.
-    pub mode: Mode,
+    /// How the weights were bound: a [`Mode`]'s name, or the Python
+    /// script's mode (`arsenal`, `python-all-loaded`).
+    pub name: String,
     /// Seconds spent binding weights (all-loaded: before the pass).
     pub bind_s: f64,
     /// Seconds of the whole pass, binding included.
@@ -61,15 +65,15 @@ pub struct PassReport {
 
 impl PassReport {
     /// Mode name for printing.
-    pub fn mode_name(&self) -> &'static str {
-        self.mode.name()
+    pub fn mode_name(&self) -> &str {
+        &self.name
     }
 }
 
 fn pass(path: &Path, spec: Spec, mode: Mode, rows: i32) -> Result<PassReport> {
     let start = Instant::now();
     // All-loaded keeps every block: nothing is freed, so there is no cache
-    // worth returning after each bind (the original passes no
+    // to keep in check after each bind (the original passes no
     // `evict_previous` there either).
     let mut streamer = BlockStreamer::new([path], PREFIX)?
         .with_prefetch(mode == Mode::Prefetched)
@@ -89,6 +93,14 @@ fn pass(path: &Path, spec: Spec, mode: Mode, rows: i32) -> Result<PassReport> {
                 streamer.bind(&mut m, b, &[])?;
                 modules.push(m);
             }
+            // Bound arrays are lazy loads: read them all now, in one
+            // evaluation as a model loader does, so that every block is
+            // resident before the pass.
+            mlx_rs::transforms::eval(
+                modules
+                    .iter()
+                    .flat_map(|m| m.parameters().flatten().into_values()),
+            )?;
             bind_s = t.elapsed().as_secs_f64();
             for m in &modules {
                 x = m.forward(&x)?;
@@ -110,7 +122,7 @@ fn pass(path: &Path, spec: Spec, mode: Mode, rows: i32) -> Result<PassReport> {
     checksum.eval()?;
     let total_s = start.elapsed().as_secs_f64();
     Ok(PassReport {
-        mode,
+        name: mode.name().to_owned(),
         bind_s,
         total_s,
         peak_rss: ProcessMemory::read().peak_rss.unwrap_or(0),
@@ -141,11 +153,7 @@ pub fn child_main(args: &[String]) -> Result<bool> {
     let r = pass(Path::new(path), spec, Mode::parse(mode)?, rows.parse()?)?;
     println!(
         "{} {} {} {} {}",
-        r.mode.name(),
-        r.bind_s,
-        r.total_s,
-        r.peak_rss,
-        r.checksum
+        r.name, r.bind_s, r.total_s, r.peak_rss, r.checksum
     );
     Ok(true)
 }
@@ -164,17 +172,35 @@ pub fn measure_with(
     mode: Mode,
     rows: usize,
 ) -> Result<PassReport> {
-    let out = Command::new(exe)
+    let mut child = Command::new(exe);
+    child
         .arg(CHILD_ARG)
         .arg(mode.name())
         .arg(path)
         .arg(rows.to_string())
-        .args([spec.blocks, spec.hidden, spec.mlp, spec.vocab].map(|n| n.to_string()))
-        .output()?;
+        .args([spec.blocks, spec.hidden, spec.mlp, spec.vocab].map(|n| n.to_string()));
+    run_pass(child, mode.name())
+}
+
+/// The Python original's side of a pass: `benches/arsenal_stream.py`
+/// (mlx-arsenal's `BlockStreamer`, mode `arsenal`, or everything loaded with
+/// `mx.load`, mode `python-all-loaded`) run by `python` on the same file.
+pub fn measure_python(python: &Path, mode: &str, path: &Path, rows: usize) -> Result<PassReport> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/arsenal_stream.py");
+    let mut child = Command::new(python);
+    child.arg(script).arg(mode).arg(path).arg(rows.to_string());
+    run_pass(child, mode)
+}
+
+/// Runs a pass's process and reads the report line it prints
+/// (`NAME BIND_S TOTAL_S PEAK_RSS CHECKSUM`).
+fn run_pass(mut child: Command, name: &str) -> Result<PassReport> {
+    let out = child
+        .output()
+        .with_context(|| format!("starting the {name} pass"))?;
     if !out.status.success() {
         bail!(
-            "{} pass failed: {}",
-            mode.name(),
+            "{name} pass failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
@@ -184,7 +210,7 @@ pub fn measure_with(
         bail!("unexpected report {line:?}");
     };
     Ok(PassReport {
-        mode,
+        name: name.to_owned(),
         bind_s: bind_s.parse()?,
         total_s: total_s.parse()?,
         peak_rss: peak.parse()?,
