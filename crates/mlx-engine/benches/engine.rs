@@ -93,7 +93,53 @@ fn list(args: &[String], flag: &str, default: &str) -> Vec<String> {
     value.split(',').map(str::to_owned).collect()
 }
 
-fn report(label: &str, line: &str) {
+/// The matrix-product work of a model, from its `config.json`: FLOPs of
+/// the decoder's linear layers for one token, and of the output head for
+/// one position (attention scores, norms and activations left out).
+struct LinearWork {
+    per_token: f64,
+    head: f64,
+    hidden: i32,
+    intermediate: i32,
+}
+
+impl LinearWork {
+    fn read(dir: &Path) -> Option<LinearWork> {
+        let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+        let c: serde_json::Value = serde_json::from_str(&text).ok()?;
+        let get = |k: &str| c.get(k).and_then(serde_json::Value::as_f64);
+        let (h, i, layers) = (
+            get("hidden_size")?,
+            get("intermediate_size")?,
+            get("num_hidden_layers")?,
+        );
+        let heads = get("num_attention_heads")?;
+        let head_dim = get("head_dim").unwrap_or(h / heads);
+        let kv = get("num_key_value_heads").unwrap_or(heads) * head_dim;
+        let q = heads * head_dim;
+        let attention = h * (q + 2.0 * kv) + q * h;
+        Some(LinearWork {
+            per_token: 2.0 * layers * (attention + 3.0 * h * i),
+            head: 2.0 * h * get("vocab_size")?,
+            hidden: h as i32,
+            intermediate: i as i32,
+        })
+    }
+
+    /// GFLOP/s of a run that prefilled `prompt` tokens and generated
+    /// `generated` for `conversations` conversations in `seconds`.
+    fn gflops(&self, seconds: f64, conversations: f64, prompt: f64, generated: f64) -> f64 {
+        // The first token of each comes from the prefill's last position;
+        // every later one is a decode step through the whole decoder.
+        let decoded = (generated - conversations).max(0.0);
+        let flops = (prompt + decoded) * self.per_token + generated.max(conversations) * self.head;
+        flops / seconds / 1e9
+    }
+}
+
+/// Prints one configuration's line; with `work`, also the rate of its
+/// linear layers against the GEMM rate measured in this run.
+fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
     let f: Vec<f64> = line
         .split_whitespace()
         .filter_map(|x| x.parse().ok())
@@ -103,13 +149,40 @@ fn report(label: &str, line: &str) {
         return;
     }
     let rate = |x: f64| if f[0] > 0.0 { x / f[0] } else { 0.0 };
+    let linear = match work {
+        Some((work, gemm)) if f[0] > 0.0 => {
+            let achieved = work.gflops(f[0], f[1], f[2], f[3]);
+            format!(
+                ", linear layers {achieved:.1} GFLOP/s = {:.0}% of the GEMM rate",
+                100.0 * achieved / gemm
+            )
+        }
+        _ => String::new(),
+    };
     println!(
-        "{label}: {:.2} conv/s, {:.0} prompt tok/s, {:.1} decode tok/s, peak RSS {:.0} MB",
+        "{label}: {:.2} conv/s, {:.0} prompt tok/s, {:.1} decode tok/s, peak RSS {:.0} MB{linear}",
         rate(f[1]),
         rate(f[2]),
         rate(f[3]),
         f[4] * 1024.0 / 1e6
     );
+}
+
+/// The median f32 GEMM rate, in this process, of the product that
+/// dominates the model's prefill (rows × hidden by hidden × intermediate,
+/// 512 rows), and of 1024³ for reference; prints both.
+fn gemm_rate(work: &LinearWork) -> f64 {
+    let median = |shape| {
+        let runs = mlx_support::gemm_gflops(shape, mlx_rs::Dtype::Float32, 2, 9).unwrap();
+        runs[runs.len() / 2]
+    };
+    let mlp = median((512, work.hidden, work.intermediate));
+    let square = median((1024, 1024, 1024));
+    println!(
+        "GEMM f32, this run: {mlp:.1} GFLOP/s for 512×{}·{}×{} (the MLP's shape), {square:.1} GFLOP/s for 1024³",
+        work.hidden, work.hidden, work.intermediate
+    );
+    mlp
 }
 
 fn main() {
@@ -147,6 +220,8 @@ fn main() {
         })
         .collect();
     std::fs::write(&convs_path, serde_json::to_string(&json).unwrap()).unwrap();
+    let work = LinearWork::read(&fixture.join("f32"));
+    let gemm = work.as_ref().map(gemm_rate);
     for variant in list(&args, "--variants", "f32,q4") {
         let dir = fixture.join(&variant);
         for max_tokens in list(&args, "--max-tokens", "1,32") {
@@ -161,6 +236,7 @@ fn main() {
                 report(
                     &format!("{variant} max_tokens {max_tokens} batch {batch:>2} ours  "),
                     &String::from_utf8_lossy(&ours.stdout),
+                    work.as_ref().zip(gemm),
                 );
                 if let Some(python) = &python {
                     // The original's way first (a batch_generate call per
@@ -185,6 +261,7 @@ fn main() {
                                     "{variant} max_tokens {max_tokens} batch {batch:>2} {label}"
                                 ),
                                 &line,
+                                None,
                             );
                         } else {
                             println!(

@@ -103,6 +103,39 @@ pub fn best_coretype() -> Option<&'static str> {
     CpuFeatures::detect().best_coretype()
 }
 
+/// GFLOP/s of the product of random `m × k` and `k × n` matrices of
+/// `dtype`, one figure per timed run (`runs` of them, after `warmup`
+/// untimed ones), sorted ascending; each run evaluates its result before the
+/// clock stops. What this process's matrix products achieve, for benchmarks
+/// to print beside their figures so that figures from different machines
+/// can be read.
+pub fn gemm_gflops(
+    (m, k, n): (i32, i32, i32),
+    dtype: mlx_rs::Dtype,
+    warmup: usize,
+    runs: usize,
+) -> crate::Result<Vec<f64>> {
+    use mlx_rs::random;
+    let key = random::key(7)?;
+    let a = random::normal::<f32>(&[m, k], None, None, &key)?.as_dtype(dtype)?;
+    let b = random::normal::<f32>(&[k, n], None, None, &key)?.as_dtype(dtype)?;
+    mlx_rs::transforms::eval([&a, &b])?;
+    let once = || -> crate::Result<f64> {
+        let start = std::time::Instant::now();
+        a.matmul(&b)?.eval()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    for _ in 0..warmup {
+        once()?;
+    }
+    let flops = 2.0 * f64::from(m) * f64::from(k) * f64::from(n);
+    let mut gflops = (0..runs.max(1))
+        .map(|_| Ok(flops / once()? / 1e9))
+        .collect::<crate::Result<Vec<f64>>>()?;
+    gflops.sort_by(f64::total_cmp);
+    Ok(gflops)
+}
+
 /// Whether OpenBLAS runs generic kernels (pre-AVX2 ones) on a CPU that has
 /// better: what happens when the library does not know the CPU.
 pub fn runs_generic_kernels() -> bool {
