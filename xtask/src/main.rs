@@ -26,6 +26,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 const INTEROP_PYTHON_VAR: &str = "MLX_LOWMEM_PYTHON";
 /// The folder of cc-sentiment's shipped adapter and system prompt.
 const CC_SENTIMENT_VAR: &str = "MLX_LOWMEM_CC_SENTIMENT";
+const GEMMA3_VAR: &str = "MLX_LOWMEM_GEMMA3";
 
 /// The project's automation: the demo, the tests, benchmarks, the adapter
 /// codec on the command line, fixtures and releases.
@@ -178,6 +179,12 @@ fn run(cli: Cli) -> Result<()> {
             );
             let cc = fixtures::cc_sentiment()?;
             println!("cc-sentiment's adapter and system prompt: {}", cc.display());
+            let gemma = fixtures::gemma3()?;
+            println!(
+                "Gemma 3 270M: {}/f32 and {}/q4",
+                gemma.display(),
+                gemma.display()
+            );
             Ok(())
         }
         Cmd::ImportGguf { src, dst, f32 } => {
@@ -213,6 +220,13 @@ fn run(cli: Cli) -> Result<()> {
                 Ok(dir) => std::env::set_var(CC_SENTIMENT_VAR, dir),
                 Err(e) => eprintln!(
                     "xtask: warning: no cc-sentiment adapter ({}); its tests will skip",
+                    report(&e)
+                ),
+            }
+            match fixtures::gemma3() {
+                Ok(dir) => std::env::set_var(GEMMA3_VAR, dir),
+                Err(e) => eprintln!(
+                    "xtask: warning: no Gemma 3 270M fixture ({}); its tests will skip",
                     report(&e)
                 ),
             }

@@ -153,12 +153,15 @@ fn cxx_present() -> bool {
 /// Python packages the interop tests compare against (the reference's own
 /// libraries), pinned: zstandard for the codec, MLX (the same 0.32.2 as our
 /// build), mlx-lm for fusing parity, mlx-arsenal for the stream benchmark's
-/// Python side.
+/// Python side, gguf (tensor decoding) and transformers (the tokenizer it
+/// builds from a GGUF's vocabulary) as the Gemma 3 GGUF import's references.
 const INTEROP_PACKAGES: &[&str] = &[
     "zstandard==0.25.0",
     "mlx[cpu]==0.32.2",
     "mlx-lm==0.31.3",
     "mlx-arsenal==0.17.0",
+    "gguf==0.19.0",
+    "transformers==5.24.0",
 ];
 
 /// mlx-lm 0.32.2, the reference of the engine's Gemma parity tests, kept

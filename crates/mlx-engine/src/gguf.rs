@@ -33,43 +33,6 @@ impl Source<'_> {
             message: message.to_string(),
         }
     }
-
-    fn number(&self, key: &str) -> Result<f64> {
-        let a = self
-            .g
-            .get_metadata_array(key)
-            .map_err(|e| self.bad(e))?
-            .ok_or_else(|| self.bad(format!("metadata {key} is missing")))?;
-        if a.size() != 1 {
-            return Err(self.bad(format!("metadata {key} is not a single number")));
-        }
-        let value = a.as_dtype(Dtype::Float64)?;
-        value.eval()?;
-        Ok(value.item_exact::<f64>())
-    }
-
-    /// A count or size: a whole number from 1 to `i32::MAX` (MLX's shapes).
-    fn size(&self, key: &str) -> Result<usize> {
-        let v = self.number(key)?;
-        if !(v >= 1.0 && v <= f64::from(i32::MAX) && v.fract() == 0.0) {
-            return Err(self.bad(format!(
-                "metadata {key} = {v} is not a count from 1 to {}",
-                i32::MAX
-            )));
-        }
-        Ok(v as usize)
-    }
-
-    /// A token id: a whole number below `vocab`.
-    fn token_id(&self, key: &str, vocab: usize) -> Result<usize> {
-        let v = self.number(key)?;
-        if !(v >= 0.0 && v < vocab as f64 && v.fract() == 0.0) {
-            return Err(self.bad(format!(
-                "metadata {key} = {v} is not a token id of the {vocab}-token vocabulary"
-            )));
-        }
-        Ok(v as usize)
-    }
 }
 
 /// Undoes llama.cpp's interleaving of q/k rows within each head, which its
@@ -110,12 +73,23 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
         .prefix(&format!(".{name}.partial-"))
         .tempdir_in(&parent)
         .map_err(io(&parent))?;
-    let g = GgufFile::load(gguf).map_err(|e| Error::Gguf {
-        path: gguf.to_path_buf(),
-        message: e.to_string(),
-    })?;
-    let source = Source { path: gguf, g };
-    convert(&source, &checked, building.path(), weights)?;
+    match checked.text("general.architecture") {
+        // Its tensor types are beyond MLX's loader: read here.
+        Some("gemma3") => crate::gguf_gemma::convert(gguf, &checked, building.path(), weights)?,
+        _ => {
+            check_mlx_loads(gguf, &checked)?;
+            let g = GgufFile::load(gguf).map_err(|e| Error::Gguf {
+                path: gguf.to_path_buf(),
+                message: e.to_string(),
+            })?;
+            let source = Source { path: gguf, g };
+            convert(&source, &checked, building.path(), weights)?;
+        }
+    }
+    // The tokenizer must load (a corrupt merges list fails here) before the
+    // folder is published.
+    tokenizers::Tokenizer::from_file(building.path().join("tokenizer.json"))
+        .map_err(|e| checked.bad(format!("the vocabulary does not make a tokenizer: {e}")))?;
     // Replace `out` whole: the old folder is moved aside first, so that at
     // every moment `out` is either the old import or the new one.
     let aside = match out.exists() {
@@ -141,6 +115,23 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
     Ok(())
 }
 
+/// The llama path reads tensors through MLX's loader, which converts only
+/// these types (and decodes Q4_K wrongly, so it is not offered it).
+fn check_mlx_loads(path: &Path, checked: &crate::gguf_check::Checked) -> Result<()> {
+    use crate::gguf_check::{F16, F32, Q4_0, Q4_1, Q8_0};
+    let loadable = [F32, F16, Q4_0, Q4_1, Q8_0];
+    match checked.tensors.iter().find(|t| !loadable.contains(&t.ty)) {
+        Some(t) => Err(Error::Gguf {
+            path: path.to_path_buf(),
+            message: format!(
+                "tensor {:?} has ggml type {} ({}), which this importer does not convert for this architecture (supported: F32, F16, Q4_0, Q4_1, Q8_0)",
+                t.name, t.ty.id, t.ty.name
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Writes the mlx_lm folder for `source` into `out` (an empty folder).
 fn convert(
     source: &Source<'_>,
@@ -159,12 +150,12 @@ fn convert(
             supported: &["llama"],
         });
     }
-    let heads = source.size("llama.attention.head_count")?;
-    let kv_heads = source.size("llama.attention.head_count_kv")?;
-    let layers = source.size("llama.block_count")?;
-    let hidden = source.size("llama.embedding_length")?;
-    let intermediate = source.size("llama.feed_forward_length")?;
-    let context = source.size("llama.context_length")?;
+    let heads = checked.count("llama.attention.head_count")?;
+    let kv_heads = checked.count("llama.attention.head_count_kv")?;
+    let layers = checked.count("llama.block_count")?;
+    let hidden = checked.count("llama.embedding_length")?;
+    let intermediate = checked.count("llama.feed_forward_length")?;
+    let context = checked.count("llama.context_length")?;
     if heads % kv_heads != 0 || hidden % heads != 0 || (hidden / heads) % 2 != 0 {
         return Err(source.bad(format!(
             "{heads} heads of {kv_heads} key/value heads over {hidden} dimensions do not divide evenly into even head sizes"
@@ -252,13 +243,7 @@ fn convert(
             }
         }
     }
-    let weights_path = out.join("model.safetensors");
-    Array::save_safetensors(
-        out_tensors.iter().map(|(k, v)| (k.as_str(), v)),
-        None,
-        &weights_path,
-    )
-    .map_err(|e| source.bad(format!("writing {}: {e}", weights_path.display())))?;
+    save_weights(checked, out, &out_tensors)?;
 
     let tokens = g
         .get_metadata_strings("tokenizer.ggml.tokens")
@@ -267,8 +252,8 @@ fn convert(
     if tokens.is_empty() {
         return Err(source.bad("tokenizer.ggml.tokens is missing or empty"));
     }
-    let bos = source.token_id("tokenizer.ggml.bos_token_id", tokens.len())?;
-    let eos = source.token_id("tokenizer.ggml.eos_token_id", tokens.len())?;
+    let bos = checked.token_id("tokenizer.ggml.bos_token_id", tokens.len())?;
+    let eos = checked.token_id("tokenizer.ggml.eos_token_id", tokens.len())?;
     let mut config = serde_json::json!({
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -278,8 +263,8 @@ fn convert(
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": hidden / heads as usize,
-        "rms_norm_eps": source.number("llama.attention.layer_norm_rms_epsilon")?,
-        "rope_theta": source.number("llama.rope.freq_base")?,
+        "rms_norm_eps": checked.float("llama.attention.layer_norm_rms_epsilon")?,
+        "rope_theta": checked.float("llama.rope.freq_base")?,
         "max_position_embeddings": context,
         "vocab_size": tokens.len(),
         "tie_word_embeddings": tied,
@@ -296,15 +281,21 @@ fn convert(
         &serde_json::json!({"bos_token_id": bos, "eos_token_id": eos}),
     )?;
     write_tokenizer(source, &tokens, out, bos, eos)?;
-    // The tokenizer must load (a corrupt merges list fails here), and the
-    // model too, before the folder is published.
-    let tokenizer = out.join("tokenizer.json");
-    tokenizers::Tokenizer::from_file(&tokenizer)
-        .map_err(|e| source.bad(format!("the vocabulary does not make a tokenizer: {e}")))?;
     Ok(())
 }
 
-fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+/// Writes `arrays` as the folder's `model.safetensors`.
+pub(crate) fn save_weights(
+    checked: &crate::gguf_check::Checked,
+    out: &Path,
+    arrays: &[(String, Array)],
+) -> Result<()> {
+    let path = out.join("model.safetensors");
+    Array::save_safetensors(arrays.iter().map(|(k, v)| (k.as_str(), v)), None, &path)
+        .map_err(|e| checked.bad(format!("writing {}: {e}", path.display())))
+}
+
+pub(crate) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     std::fs::write(path, serde_json::to_vec_pretty(value).expect("json")).map_err(|source| {
         Error::Io {
             path: path.to_path_buf(),

@@ -1,4 +1,4 @@
-//! Checks a GGUF file's structure before MLX's loader reads it.
+//! Reads a GGUF file's header, metadata and tensor table, checked.
 //!
 //! MLX's GGUF reader trusts the file: counts and lengths from a corrupt or
 //! truncated file make it read past the end or allocate what the file
@@ -6,7 +6,9 @@
 //! table with every count and length checked against the bytes that are
 //! really left, allocating nothing by what the file says, and checks that
 //! each tensor's data lies inside the file and has a type the importer can
-//! convert.
+//! convert. It keeps the metadata values and where each tensor's bytes are,
+//! for the importers that read tensors themselves (Gemma 3: MLX's loader
+//! rejects Q5_0 and misreads Q4_K).
 
 use std::fs::File;
 use std::io::{BufReader, Read};
@@ -19,15 +21,37 @@ const MAGIC: &[u8; 4] = b"GGUF";
 const MAX_DIMS: u64 = 4;
 const DEFAULT_ALIGNMENT: u64 = 32;
 
-/// Tensor types the importer converts (through MLX's loader): id, name,
-/// elements per block, bytes per block.
-const SUPPORTED_TYPES: &[(u32, &str, u64, u64)] = &[
-    (0, "F32", 1, 4),
-    (1, "F16", 1, 2),
-    (2, "Q4_0", 32, 18),
-    (3, "Q4_1", 32, 20),
-    (8, "Q8_0", 32, 34),
-];
+/// A ggml tensor type the importer converts: its id, name, and how many
+/// elements a block of how many bytes holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GgmlType {
+    pub id: u32,
+    pub name: &'static str,
+    pub block: u64,
+    pub block_bytes: u64,
+}
+
+const fn ggml(id: u32, name: &'static str, block: u64, block_bytes: u64) -> GgmlType {
+    GgmlType {
+        id,
+        name,
+        block,
+        block_bytes,
+    }
+}
+
+pub(crate) const F32: GgmlType = ggml(0, "F32", 1, 4);
+pub(crate) const F16: GgmlType = ggml(1, "F16", 1, 2);
+pub(crate) const Q4_0: GgmlType = ggml(2, "Q4_0", 32, 18);
+pub(crate) const Q4_1: GgmlType = ggml(3, "Q4_1", 32, 20);
+pub(crate) const Q5_0: GgmlType = ggml(6, "Q5_0", 32, 22);
+pub(crate) const Q8_0: GgmlType = ggml(8, "Q8_0", 32, 34);
+pub(crate) const Q4_K: GgmlType = ggml(12, "Q4_K", 256, 144);
+pub(crate) const Q6_K: GgmlType = ggml(14, "Q6_K", 256, 210);
+pub(crate) const BF16: GgmlType = ggml(30, "BF16", 1, 2);
+
+/// Every type some importer converts.
+const SUPPORTED_TYPES: &[GgmlType] = &[F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, BF16];
 
 /// One tensor of the table, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,13 +59,109 @@ pub(crate) struct TensorEntry {
     pub name: String,
     /// Dimensions as GGUF lists them (innermost first).
     pub dims: Vec<u64>,
-    pub type_name: &'static str,
+    pub ty: GgmlType,
+    /// Where its bytes start in the file, and how many there are (both
+    /// checked to lie inside the file).
+    pub start: u64,
+    pub size: u64,
 }
 
-/// What the check found: the tensors, in file order.
+/// One metadata value. Integers of every width and floats are `Number`s
+/// (the importers use them as sizes, ids and constants).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Meta {
+    Number(f64),
+    Bool(bool),
+    Text(String),
+    Numbers(Vec<f64>),
+    Texts(Vec<String>),
+}
+
+/// What the check found: the metadata and the tensors, in file order.
 #[derive(Debug, Clone)]
 pub(crate) struct Checked {
+    /// The file, for errors.
+    pub path: std::path::PathBuf,
+    pub metadata: std::collections::BTreeMap<String, Meta>,
     pub tensors: Vec<TensorEntry>,
+}
+
+impl Checked {
+    /// An error about this file.
+    pub fn bad(&self, message: impl std::fmt::Display) -> Error {
+        Error::Gguf {
+            path: self.path.clone(),
+            message: message.to_string(),
+        }
+    }
+
+    /// The finite number at `key`, or an error naming it.
+    pub fn float(&self, key: &str) -> Result<f64> {
+        self.number(key)
+            .filter(|v| v.is_finite())
+            .ok_or_else(|| self.bad(format!("metadata {key} is missing or not a number")))
+    }
+
+    /// A count or size at `key`: a whole number from 1 to `i32::MAX` (MLX's
+    /// shapes), or an error naming it.
+    pub fn count(&self, key: &str) -> Result<usize> {
+        let v = self.float(key)?;
+        if !(v >= 1.0 && v <= f64::from(i32::MAX) && v.fract() == 0.0) {
+            return Err(self.bad(format!(
+                "metadata {key} = {v} is not a count from 1 to {}",
+                i32::MAX
+            )));
+        }
+        Ok(v as usize)
+    }
+
+    /// A token id at `key`: a whole number below `vocab`.
+    pub fn token_id(&self, key: &str, vocab: usize) -> Result<usize> {
+        let v = self.float(key)?;
+        if !(v >= 0.0 && v < vocab as f64 && v.fract() == 0.0) {
+            return Err(self.bad(format!(
+                "metadata {key} = {v} is not a token id of the {vocab}-token vocabulary"
+            )));
+        }
+        Ok(v as usize)
+    }
+
+    /// The metadata value of `key`, if it is a number.
+    pub fn number(&self, key: &str) -> Option<f64> {
+        match self.metadata.get(key)? {
+            Meta::Number(n) => Some(*n),
+            _ => None,
+        }
+    }
+
+    /// The metadata value of `key`, if it is a string.
+    pub fn text(&self, key: &str) -> Option<&str> {
+        match self.metadata.get(key)? {
+            Meta::Text(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The metadata value of `key`, if it is an array of strings.
+    pub fn texts(&self, key: &str) -> Option<&[String]> {
+        match self.metadata.get(key)? {
+            Meta::Texts(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The metadata value of `key`, if it is an array of numbers.
+    pub fn numbers(&self, key: &str) -> Option<&[f64]> {
+        match self.metadata.get(key)? {
+            Meta::Numbers(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// The tensor named `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
 }
 
 /// A reader that knows how many bytes are left and refuses to go past them.
@@ -87,17 +207,6 @@ impl<R: Read> Bounded<R> {
         Ok(u64::from_le_bytes(self.bytes(what)?))
     }
 
-    /// Skips `n` bytes (checked first).
-    fn skip(&mut self, n: u64, what: &str) -> Result<()> {
-        self.take(n, what)?;
-        let copied = std::io::copy(&mut (&mut self.inner).take(n), &mut std::io::sink())
-            .map_err(|e| self.bad(format!("reading {what}: {e}")))?;
-        if copied != n {
-            return Err(self.bad(format!("{what}: the file ends early")));
-        }
-        Ok(())
-    }
-
     /// A length-prefixed string, its length checked before it is read.
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64(what)?;
@@ -126,25 +235,54 @@ fn scalar_size(t: u32) -> Option<Option<u64>> {
     })
 }
 
-/// Skips one metadata value of type `t`; returns the alignment when the
-/// key is `general.alignment`.
-fn skip_value<R: Read>(r: &mut Bounded<R>, key: &str, t: u32) -> Result<Option<u64>> {
+/// Reads one scalar of type `t` (not a string) as a number or bool.
+fn scalar<R: Read>(r: &mut Bounded<R>, key: &str, t: u32) -> Result<Meta> {
+    Ok(Meta::Number(match t {
+        0 => f64::from(r.bytes::<1>(key)?[0]),
+        1 => f64::from(i8::from_le_bytes(r.bytes(key)?)),
+        2 => f64::from(u16::from_le_bytes(r.bytes(key)?)),
+        3 => f64::from(i16::from_le_bytes(r.bytes(key)?)),
+        4 => f64::from(r.u32(key)?),
+        5 => f64::from(i32::from_le_bytes(r.bytes(key)?)),
+        6 => f64::from(f32::from_le_bytes(r.bytes(key)?)),
+        7 => return Ok(Meta::Bool(r.bytes::<1>(key)?[0] != 0)),
+        10 => r.u64(key)? as f64,
+        11 => i64::from_le_bytes(r.bytes(key)?) as f64,
+        12 => f64::from_le_bytes(r.bytes(key)?),
+        _ => return Err(r.bad(format!("{key}: unknown metadata type {t}"))),
+    }))
+}
+
+/// Reads one metadata value of type `t`.
+fn read_value<R: Read>(r: &mut Bounded<R>, key: &str, t: u32) -> Result<Meta> {
     match (t, scalar_size(t)) {
-        (4, _) if key == "general.alignment" => return Ok(Some(u64::from(r.u32(key)?))),
-        (_, Some(Some(size))) => r.skip(size, key)?,
-        (_, Some(None)) => {
-            let len = r.u64(key)?;
-            r.skip(len, key)?;
-        }
+        (_, Some(Some(_))) => scalar(r, key, t),
+        (_, Some(None)) => Ok(Meta::Text(r.string(key)?)),
         (9, None) => {
             let inner = r.u32(key)?;
             let count = r.u64(key)?;
             match scalar_size(inner) {
                 Some(Some(size)) => {
+                    // Checked against the bytes left before anything is
+                    // allocated by the count.
                     let total = count
                         .checked_mul(size)
                         .ok_or_else(|| r.bad(format!("{key}: array of {count} overflows")))?;
-                    r.skip(total, key)?;
+                    if total > r.left {
+                        return Err(r.bad(format!(
+                            "{key}: {count} values need {total} bytes but only {} are left",
+                            r.left
+                        )));
+                    }
+                    let mut values = Vec::with_capacity(count as usize);
+                    for _ in 0..count {
+                        values.push(match scalar(r, key, inner)? {
+                            Meta::Number(n) => n,
+                            Meta::Bool(b) => f64::from(u8::from(b)),
+                            _ => unreachable!("scalars are numbers or bools"),
+                        });
+                    }
+                    Ok(Meta::Numbers(values))
                 }
                 Some(None) => {
                     // Each string is at least its 8-byte length: a count the
@@ -155,17 +293,17 @@ fn skip_value<R: Read>(r: &mut Bounded<R>, key: &str, t: u32) -> Result<Option<u
                             r.left
                         )));
                     }
+                    let mut texts = Vec::with_capacity(count as usize);
                     for _ in 0..count {
-                        let len = r.u64(key)?;
-                        r.skip(len, key)?;
+                        texts.push(r.string(key)?);
                     }
+                    Ok(Meta::Texts(texts))
                 }
-                None => return Err(r.bad(format!("{key}: arrays of type {inner} are not valid"))),
+                None => Err(r.bad(format!("{key}: arrays of type {inner} are not valid"))),
             }
         }
-        _ => return Err(r.bad(format!("{key}: unknown metadata type {t}"))),
+        _ => Err(r.bad(format!("{key}: unknown metadata type {t}"))),
     }
-    Ok(None)
 }
 
 /// Checks the GGUF file at `path`; see the module docs.
@@ -199,18 +337,24 @@ pub(crate) fn check(path: &Path) -> Result<Checked> {
         )));
     }
     let mut alignment = DEFAULT_ALIGNMENT;
+    let mut metadata = std::collections::BTreeMap::new();
     for _ in 0..n_kv {
         let key = r.string("a metadata key")?;
         let t = r.u32(&key)?;
-        if let Some(a) = skip_value(&mut r, &key, t)? {
-            if a == 0 || !a.is_power_of_two() {
-                return Err(r.bad(format!("general.alignment {a} is not a power of two")));
+        let value = read_value(&mut r, &key, t)?;
+        if key == "general.alignment" {
+            match value {
+                Meta::Number(a) if a >= 1.0 && a.fract() == 0.0 && (a as u64).is_power_of_two() => {
+                    alignment = a as u64;
+                }
+                _ => {
+                    return Err(r.bad(format!("general.alignment {value:?} is not a power of two")))
+                }
             }
-            alignment = a;
         }
+        metadata.insert(key, value);
     }
     let mut tensors = Vec::new();
-    let mut extents = Vec::new();
     for _ in 0..n_tensors {
         let name = r.string("a tensor name")?;
         let n_dims = u64::from(r.u32(&name)?);
@@ -223,13 +367,19 @@ pub(crate) fn check(path: &Path) -> Result<Checked> {
         }
         let type_id = r.u32(&name)?;
         let offset = r.u64(&name)?;
-        let Some(&(_, type_name, block, block_bytes)) =
-            SUPPORTED_TYPES.iter().find(|(id, ..)| *id == type_id)
-        else {
+        let Some(&ty) = SUPPORTED_TYPES.iter().find(|t| t.id == type_id) else {
+            let names: Vec<&str> = SUPPORTED_TYPES.iter().map(|t| t.name).collect();
             return Err(r.bad(format!(
-                "tensor {name:?} has ggml type {type_id}, which this importer does not convert (supported: F32, F16, Q4_0, Q4_1, Q8_0)"
+                "tensor {name:?} has ggml type {type_id}, which this importer does not convert (supported: {})",
+                names.join(", ")
             )));
         };
+        let GgmlType {
+            name: type_name,
+            block,
+            block_bytes,
+            ..
+        } = ty;
         let elements = dims
             .iter()
             .try_fold(1u64, |n, &d| n.checked_mul(d).filter(|_| d > 0))
@@ -248,24 +398,32 @@ pub(crate) fn check(path: &Path) -> Result<Checked> {
                 "tensor {name:?} starts at unaligned offset {offset}"
             )));
         }
-        extents.push((name.clone(), offset, size));
         tensors.push(TensorEntry {
             name,
             dims,
-            type_name,
+            ty,
+            start: offset,
+            size,
         });
     }
     let table_end = len - r.left;
     let data_start = table_end.div_ceil(alignment) * alignment;
-    for (name, offset, size) in &extents {
+    for t in &mut tensors {
+        let (offset, size) = (t.start, t.size);
         let end = data_start
-            .checked_add(*offset)
-            .and_then(|s| s.checked_add(*size));
+            .checked_add(offset)
+            .and_then(|s| s.checked_add(size));
         if end.is_none_or(|end| end > len) {
             return Err(r.bad(format!(
-                "tensor {name:?} ({size} bytes at offset {offset}) runs past the end of the {len}-byte file"
+                "tensor {:?} ({size} bytes at offset {offset}) runs past the end of the {len}-byte file",
+                t.name
             )));
         }
+        t.start = data_start + offset;
     }
-    Ok(Checked { tensors })
+    Ok(Checked {
+        path: path.to_path_buf(),
+        metadata,
+        tensors,
+    })
 }

@@ -66,8 +66,9 @@
 //! gets [`EngineError::Closed`] at once. Every call has a blocking form and
 //! a [`Reply`] that is also a runtime-agnostic `Future`.
 //!
-//! Models in GGUF (llama architecture, e.g. SmolLM2) become mlx_lm folders
-//! with [`import_gguf`].
+//! Models in GGUF (llama architecture, e.g. SmolLM2; Gemma 3, e.g. Gemma 3
+//! 270M in Q4_K_M with its Q5_0, Q4_K, Q6_K and Q8_0 tensors) become mlx_lm
+//! folders with [`import_gguf`].
 //!
 //! # Performance
 //!
@@ -90,6 +91,8 @@ mod gemma_config;
 mod generate;
 mod gguf;
 mod gguf_check;
+mod gguf_gemma;
+mod gguf_quants;
 mod llama;
 mod model;
 mod options;
