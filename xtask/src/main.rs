@@ -290,6 +290,9 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
             continue;
         }
         std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
+        if bench == Bench::Engine {
+            std::env::set_var(GEMMA3_VAR, fixtures::gemma3()?);
+        }
         let name = if bench == Bench::Fuse {
             "fuse"
         } else {

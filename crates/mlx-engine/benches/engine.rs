@@ -1,14 +1,17 @@
 //! The engine against mlx_lm's `batch_generate` (`cargo xtask bench engine`):
-//! conversations sharing a ~200-token system prompt, user messages of 20–120
-//! tokens, SmolLM2-135M (the fixture `cargo xtask fixtures` imports), each
-//! configuration in a fresh process for its peak RSS. The `mlx_lm` row does
+//! conversations sharing a system prompt, user messages of 20–120 tokens,
+//! on SmolLM2-135M (a ~200-token prompt) and Gemma 3 270M (a ~700-token
+//! prompt, longer than its 512-token sliding window; classification), the
+//! fixtures `cargo xtask fixtures` imports, each configuration in a fresh
+//! process for its peak RSS. The `mlx_lm` row does
 //! what the original engine does (conversations sorted by length, one
 //! `batch_generate` call per chunk of the batch size, the prefix cache
 //! deep-copied per conversation); the `mlx_lm one call` row hands them all
 //! to one call, as this benchmark did before.
 //!
-//! Arguments: `--conversations N` (256), `--batches 1,8,32`, `--max-tokens
-//! 1,32`, `--variants f32,q4`.
+//! Arguments: `--models smollm2,gemma3`, and to override each model's own
+//! settings `--conversations N` (256; Gemma 64), `--batches 1,8,32` (Gemma
+//! 2,8,32), `--max-tokens 1,32` (Gemma 1), `--variants f32,q4`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -40,10 +43,12 @@ fn words(seed: usize, n: usize) -> String {
         .join(" ")
 }
 
-fn conversations(n: usize) -> Vec<Vec<Message>> {
+/// `n` conversations: a shared system prompt of `system_words` words and
+/// user messages of 20–120 words.
+fn conversations(n: usize, system_words: usize) -> Vec<Vec<Message>> {
     let system = Message::new(
         "system",
-        format!("You label customer reviews. {}", words(1, 170)),
+        format!("You label customer reviews. {}", words(1, system_words)),
     );
     (0..n)
         .map(|i| {
@@ -55,19 +60,27 @@ fn conversations(n: usize) -> Vec<Vec<Message>> {
         .collect()
 }
 
-fn child(dir: &Path, n: usize, batch: usize, max_tokens: usize) {
+fn child(
+    dir: &Path,
+    n: usize,
+    system_words: usize,
+    batch: usize,
+    max_tokens: usize,
+    f32_at_load: bool,
+) {
     // What an application running the engine on glibc should do (see its
     // docs). mlx_lm's runs keep the allocator's defaults: it was measured
     // no faster with this setting (docs/mlx-engine.md).
     mlx_support::retain_freed_memory();
-    let convs = conversations(n);
-    let engine = MlxEngine::new(
-        EngineConfig::new(dir)
-            .prefix_messages(convs[0][..1].to_vec())
-            .batch_size(batch)
-            .worker_name("bench"),
-    )
-    .unwrap();
+    let convs = conversations(n, system_words);
+    let mut config = EngineConfig::new(dir)
+        .prefix_messages(convs[0][..1].to_vec())
+        .batch_size(batch)
+        .worker_name("bench");
+    if f32_at_load {
+        config = config.quantized(mlx_engine::QuantizedWeights::DequantizeF32);
+    }
+    let engine = MlxEngine::new(config).unwrap();
     engine.ensure_loaded().unwrap();
     let s = engine
         .generate_async(convs, GenerateOptions::new().max_tokens(max_tokens))
@@ -193,14 +206,11 @@ fn main() {
             args[2].parse().unwrap(),
             args[3].parse().unwrap(),
             args[4].parse().unwrap(),
+            args[5].parse().unwrap(),
+            args.get(6).is_some_and(|a| a == "f32-at-load"),
         );
         return;
     }
-    let Some(fixture) = std::env::var_os("MLX_LOWMEM_SMOLLM2").map(PathBuf::from) else {
-        println!("no SmolLM2 fixture: run through `cargo xtask bench engine`");
-        return;
-    };
-    let n: usize = list(&args, "--conversations", "256")[0].parse().unwrap();
     // Figures from different machines are read with the kernels beside them.
     println!(
         "BLAS: {}, kernels {} (OPENBLAS_CORETYPE {}; ours and mlx_lm run under the same)",
@@ -209,69 +219,227 @@ fn main() {
         std::env::var("OPENBLAS_CORETYPE").unwrap_or_else(|_| "unset".into())
     );
     let python = std::env::var("MLX_LOWMEM_PYTHON").ok();
-    let work = tempfile::tempdir().unwrap();
-    let convs_path = work.path().join("conversations.json");
-    let json: Vec<Vec<serde_json::Value>> = conversations(n)
-        .iter()
-        .map(|c| {
-            c.iter()
-                .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-                .collect()
-        })
-        .collect();
-    std::fs::write(&convs_path, serde_json::to_string(&json).unwrap()).unwrap();
-    let work = LinearWork::read(&fixture.join("f32"));
-    let gemm = work.as_ref().map(gemm_rate);
-    for variant in list(&args, "--variants", "f32,q4") {
-        let dir = fixture.join(&variant);
-        for max_tokens in list(&args, "--max-tokens", "1,32") {
-            for batch in list(&args, "--batches", "1,8,32") {
-                let exe = std::env::current_exe().unwrap();
-                let ours = Command::new(exe)
-                    .args(["child"])
-                    .arg(&dir)
-                    .args([n.to_string(), batch.clone(), max_tokens.clone()])
-                    .output()
-                    .unwrap();
-                report(
-                    &format!("{variant} max_tokens {max_tokens} batch {batch:>2} ours  "),
-                    &String::from_utf8_lossy(&ours.stdout),
-                    work.as_ref().zip(gemm),
-                );
-                if let Some(python) = &python {
-                    // The original's way first (a batch_generate call per
-                    // chunk), then every conversation in one call.
-                    for (mode, label) in [("per-chunk", "mlx_lm"), ("one-call", "mlx_lm one call")]
-                    {
-                        let script =
-                            Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/mlx_lm_batch.py");
-                        let theirs = Command::new(python)
-                            .arg(script)
-                            .arg(&dir)
-                            .arg(&convs_path)
-                            .args([batch.clone(), max_tokens.clone()])
-                            .arg(mode)
-                            .output()
-                            .unwrap();
-                        let text = String::from_utf8_lossy(&theirs.stdout);
-                        let line = text.lines().last().unwrap_or_default().to_owned();
-                        if theirs.status.success() {
-                            report(
+    for name in list(&args, "--models", "smollm2,gemma3") {
+        let Some(bench) = ModelBench::named(&name) else {
+            println!("unknown model {name:?}: smollm2 or gemma3");
+            continue;
+        };
+        let Some(fixture) = std::env::var_os(bench.fixture_var).map(PathBuf::from) else {
+            println!(
+                "no {} fixture ({} unset): run through `cargo xtask bench engine`",
+                bench.name, bench.fixture_var
+            );
+            continue;
+        };
+        bench.run(&fixture, &args, python.as_deref());
+    }
+}
+
+/// One model's part of the benchmark.
+struct ModelBench {
+    name: &'static str,
+    /// The environment variable naming the fixture folder (`f32/`, `q4/`).
+    fixture_var: &'static str,
+    /// Words of the shared system prompt.
+    system_words: usize,
+    conversations: &'static str,
+    /// Conversations of the 4-bit runs, where MLX's CPU quantized product
+    /// makes mlx_lm's side very slow.
+    q4_conversations: &'static str,
+    batches: &'static str,
+    max_tokens: &'static str,
+    /// mlx_lm's modes: the original's (a call per chunk) and, where cheap
+    /// enough, all conversations in one call.
+    modes: &'static [(&'static str, &'static str)],
+    /// A chat template to give the folder (a base model has none).
+    chat_template: Option<&'static str>,
+}
+
+/// Gemma's turn markers, for the base Gemma 3 270M, whose GGUF carries no
+/// chat template: each message a turn, the assistant's called `model`.
+const GEMMA_TURNS: &str = "{{ bos_token }}{% for m in messages %}<start_of_turn>\
+{% if m['role'] == 'assistant' %}model{% else %}{{ m['role'] }}{% endif %}\n\
+{{ m['content'] }}<end_of_turn>\n{% endfor %}\
+{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+
+impl ModelBench {
+    fn named(name: &str) -> Option<ModelBench> {
+        match name {
+            // A ~200-token system prompt.
+            "smollm2" => Some(ModelBench {
+                name: "SmolLM2-135M",
+                fixture_var: "MLX_LOWMEM_SMOLLM2",
+                system_words: 170,
+                conversations: "256",
+                q4_conversations: "256",
+                batches: "1,8,32",
+                max_tokens: "1,32",
+                modes: &[("per-chunk", "mlx_lm"), ("one-call", "mlx_lm one call")],
+                chat_template: None,
+            }),
+            // A ~700-token system prompt, longer than the 512-token
+            // sliding window; classification, as cc-sentiment runs it
+            // (batch 2) and wider.
+            "gemma3" => Some(ModelBench {
+                name: "Gemma 3 270M",
+                fixture_var: "MLX_LOWMEM_GEMMA3",
+                system_words: 650,
+                conversations: "64",
+                q4_conversations: "8",
+                batches: "2,8,32",
+                max_tokens: "1",
+                modes: &[("per-chunk", "mlx_lm")],
+                chat_template: Some(GEMMA_TURNS),
+            }),
+            _ => None,
+        }
+    }
+
+    /// `fixture/variant`, or a folder beside `work` that links its files
+    /// and adds the chat template.
+    fn folder(&self, fixture: &Path, variant: &str, work: &Path) -> PathBuf {
+        let dir = fixture.join(variant);
+        let Some(template) = self.chat_template else {
+            return dir;
+        };
+        let with = work.join(variant);
+        std::fs::create_dir_all(&with).unwrap();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let entry = entry.unwrap();
+            let name = entry.file_name();
+            if name == "tokenizer_config.json" {
+                let mut config: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(entry.path()).unwrap()).unwrap();
+                config["chat_template"] = template.into();
+                std::fs::write(with.join(&name), config.to_string()).unwrap();
+            } else {
+                let target = with.join(&name);
+                if !target.exists() {
+                    std::os::unix::fs::symlink(entry.path(), target).unwrap();
+                }
+            }
+        }
+        with
+    }
+
+    fn run(&self, fixture: &Path, args: &[String], python: Option<&str>) {
+        let work = LinearWork::read(&fixture.join("f32"));
+        let gemm = work.as_ref().map(gemm_rate);
+        let temp = tempfile::tempdir().unwrap();
+        for variant in list(args, "--variants", "f32,q4") {
+            let default_n = match variant.as_str() {
+                "q4" => self.q4_conversations,
+                _ => self.conversations,
+            };
+            let n: usize = list(args, "--conversations", default_n)[0].parse().unwrap();
+            println!(
+                "\n{} {variant}: {n} conversations, a {}-word shared system prompt",
+                self.name, self.system_words
+            );
+            let convs_path = temp.path().join(format!("conversations-{n}.json"));
+            let json: Vec<Vec<serde_json::Value>> = conversations(n, self.system_words)
+                .iter()
+                .map(|c| {
+                    c.iter()
+                        .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                        .collect()
+                })
+                .collect();
+            std::fs::write(&convs_path, serde_json::to_string(&json).unwrap()).unwrap();
+            self.run_variant(
+                &variant,
+                n,
+                &convs_path,
+                fixture,
+                temp.path(),
+                args,
+                python,
+                work.as_ref().zip(gemm),
+            );
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_variant(
+        &self,
+        variant: &str,
+        n: usize,
+        convs_path: &Path,
+        fixture: &Path,
+        temp: &Path,
+        args: &[String],
+        python: Option<&str>,
+        work: Option<(&LinearWork, f64)>,
+    ) {
+        let dir = self.folder(fixture, variant, temp);
+        // Ours as configured by default and, for a quantized model, also
+        // dequantized at load (faster on the CPU, at an f32 model's memory).
+        let ours_modes: &[(&str, &str)] = match variant {
+            "q4" => &[("", "ours  "), ("f32-at-load", "ours, f32 at load")],
+            _ => &[("", "ours  ")],
+        };
+        for max_tokens in list(args, "--max-tokens", self.max_tokens) {
+            for batch in list(args, "--batches", self.batches) {
+                for &(flag, label) in ours_modes {
+                    let exe = std::env::current_exe().unwrap();
+                    let ours = Command::new(exe)
+                        .args(["child"])
+                        .arg(&dir)
+                        .args([
+                            n.to_string(),
+                            self.system_words.to_string(),
+                            batch.clone(),
+                            max_tokens.clone(),
+                            flag.to_owned(),
+                        ])
+                        .output()
+                        .unwrap();
+                    if !ours.status.success() {
+                        println!(
+                            "{label} failed: {}",
+                            String::from_utf8_lossy(&ours.stderr)
+                                .lines()
+                                .last()
+                                .unwrap_or_default()
+                        );
+                    }
+                    report(
+                        &format!("{variant} max_tokens {max_tokens} batch {batch:>2} {label}"),
+                        &String::from_utf8_lossy(&ours.stdout),
+                        work,
+                    );
+                }
+                let Some(python) = python else { continue };
+                for &(mode, label) in self.modes {
+                    let script =
+                        Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/mlx_lm_batch.py");
+                    let theirs = Command::new(python)
+                        .arg(script)
+                        .arg(&dir)
+                        .arg(convs_path)
+                        .args([batch.clone(), max_tokens.clone()])
+                        .arg(mode)
+                        .output()
+                        .unwrap();
+                    let text = String::from_utf8_lossy(&theirs.stdout);
+                    let line = text.lines().last().unwrap_or_default().to_owned();
+                    let version = text.lines().next().unwrap_or_default();
+                    if theirs.status.success() {
+                        report(
                                 &format!(
-                                    "{variant} max_tokens {max_tokens} batch {batch:>2} {label}"
+                                    "{variant} max_tokens {max_tokens} batch {batch:>2} {label} ({version})"
                                 ),
                                 &line,
                                 None,
                             );
-                        } else {
-                            println!(
-                                "{label} failed: {}",
-                                String::from_utf8_lossy(&theirs.stderr)
-                                    .lines()
-                                    .last()
-                                    .unwrap_or_default()
-                            );
-                        }
+                    } else {
+                        println!(
+                            "{label} failed: {}",
+                            String::from_utf8_lossy(&theirs.stderr)
+                                .lines()
+                                .last()
+                                .unwrap_or_default()
+                        );
                     }
                 }
             }

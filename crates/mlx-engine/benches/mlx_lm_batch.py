@@ -8,18 +8,28 @@ message (stable), and call batch_generate once per chunk of BATCH_SIZE, with
 the prefix cache deep-copied for each conversation of the chunk. MODE
 "one-call" hands every conversation to a single batch_generate call.
 Prints: seconds conversations prompt_tokens generated_tokens peak_rss_kib
+(after a first line naming the mlx_lm version).
 """
 import copy
 import json
 import resource
 import sys
 import time
+from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm import load
-from mlx_lm.generate import batch_generate
-from mlx_lm.models.cache import make_prompt_cache
+# mlx_lm 0.32.2 (Gemma 3 and 4 as the engine implements them) sits beside
+# the venv's own 0.31.3 when `cargo xtask` set the venv up.
+newer = Path(sys.prefix) / "mlx-lm-0.32.2"
+if newer.is_dir():
+    sys.path.insert(0, str(newer))
 
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm import load  # noqa: E402
+from mlx_lm.generate import batch_generate  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+print(f"mlx_lm {mlx_lm.__version__}")
 model, tokenizer = load(sys.argv[1])
 conversations = json.load(open(sys.argv[2]))
 batch, max_tokens = int(sys.argv[3]), int(sys.argv[4])
@@ -52,6 +62,6 @@ elif mode == "per-chunk":
 else:
     sys.exit(f"unknown mode {mode!r}: per-chunk or one-call")
 seconds = time.time() - start
-generated = sum(len(tokenizer.encode(t)) for t in texts)
+generated = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
 print(seconds, len(conversations), sum(map(len, suffixes)), generated,
       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
