@@ -22,8 +22,9 @@ pub enum QuantizedWeights {
     /// Apple GPUs).
     Keep,
     /// Keep them packed and dequantize each matrix to f32 just before its
-    /// product (the CPU default): memory stays that of the packed weights,
-    /// while the product runs on BLAS. MLX's CPU quantized matmul has no
+    /// product (the CPU default), evaluating the product at once so that
+    /// one dense matrix exists at a time: memory stays near that of the
+    /// packed weights, while the product runs on BLAS. MLX's CPU quantized matmul has no
     /// BLAS path and is far slower.
     DequantizeOnUse,
     /// Dequantize to f32 at load: the fastest on the CPU backend, at the
@@ -259,7 +260,14 @@ pub(crate) struct Linear {
 impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.packed {
-            Some(p) if p.dequantize_on_use => x.matmul(p.dense_f32(&self.weight)?.t())?,
+            Some(p) if p.dequantize_on_use => {
+                // Evaluated here, so that the dense matrix is freed before
+                // the next one exists: a forward holds one at a time, not
+                // the whole model in f32.
+                let y = x.matmul(p.dense_f32(&self.weight)?.t())?;
+                y.eval()?;
+                y
+            }
             Some(p) => p.quantized_matmul(x, &self.weight)?,
             None => x.matmul(&self.weight)?,
         };
@@ -322,7 +330,10 @@ impl Embedding {
                             &packed.biases.index(start..end),
                         )?
                         .as_dtype(Dtype::Float32)?;
-                    parts.push(x.matmul(rows.t())?);
+                    let part = x.matmul(rows.t())?;
+                    // One slice in f32 at a time (see `Linear::forward`).
+                    part.eval()?;
+                    parts.push(part);
                     start = end;
                 }
                 concatenate(&parts, -1)?
