@@ -254,7 +254,7 @@ fn convert(
     }
     let bos = checked.token_id("tokenizer.ggml.bos_token_id", tokens.len())?;
     let eos = checked.token_id("tokenizer.ggml.eos_token_id", tokens.len())?;
-    let mut config = serde_json::json!({
+    let config = serde_json::json!({
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
@@ -271,17 +271,29 @@ fn convert(
         "bos_token_id": bos,
         "eos_token_id": eos,
     });
-    if quantized_any {
-        config["quantization"] = serde_json::json!({"group_size": 32, "bits": 4});
+    write_configs(out, config, quantized_any.then_some((32, 4)), bos, eos)?;
+    write_tokenizer(source, &tokens, out, bos, eos)?;
+    Ok(())
+}
+
+/// Writes `config.json` (with the folder-wide `quantization`, group size
+/// and bits, when there is one) and `generation_config.json`.
+pub(crate) fn write_configs(
+    out: &Path,
+    mut config: serde_json::Value,
+    quantization: Option<(i32, i32)>,
+    bos: usize,
+    eos: usize,
+) -> Result<()> {
+    if let Some((group_size, bits)) = quantization {
+        config["quantization"] = serde_json::json!({"group_size": group_size, "bits": bits});
         config["quantization_config"] = config["quantization"].clone();
     }
     write_json(&out.join("config.json"), &config)?;
     write_json(
         &out.join("generation_config.json"),
         &serde_json::json!({"bos_token_id": bos, "eos_token_id": eos}),
-    )?;
-    write_tokenizer(source, &tokens, out, bos, eos)?;
-    Ok(())
+    )
 }
 
 /// Writes `arrays` as the folder's `model.safetensors`.

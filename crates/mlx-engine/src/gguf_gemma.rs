@@ -18,7 +18,7 @@ use std::path::Path;
 use mlx_rs::Array;
 
 use crate::error::{Error, Result};
-use crate::gguf::{save_weights, write_json, ImportWeights};
+use crate::gguf::{save_weights, write_configs, write_json, ImportWeights};
 use crate::gguf_check::{Checked, TensorEntry};
 use crate::gguf_quants::dequantize;
 
@@ -188,7 +188,7 @@ pub(crate) fn convert(
 
     let bos = checked.token_id("tokenizer.ggml.bos_token_id", vocab)?;
     let eos = checked.token_id("tokenizer.ggml.eos_token_id", vocab)?;
-    let mut config = serde_json::json!({
+    let config = serde_json::json!({
         "model_type": "gemma3_text",
         "architectures": ["Gemma3ForCausalLM"],
         "hidden_size": hidden,
@@ -209,15 +209,8 @@ pub(crate) fn convert(
         "bos_token_id": bos,
         "eos_token_id": eos,
     });
-    if weights == ImportWeights::Quantized {
-        config["quantization"] = serde_json::json!({"group_size": GROUP, "bits": BITS});
-        config["quantization_config"] = config["quantization"].clone();
-    }
-    write_json(&out.join("config.json"), &config)?;
-    write_json(
-        &out.join("generation_config.json"),
-        &serde_json::json!({"bos_token_id": bos, "eos_token_id": eos}),
-    )?;
+    let quantization = (weights == ImportWeights::Quantized).then_some((GROUP, BITS));
+    write_configs(out, config, quantization, bos, eos)?;
     write_tokenizer(checked, tokens, out, bos, eos, context)
 }
 
