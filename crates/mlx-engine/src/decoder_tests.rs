@@ -285,8 +285,11 @@ fn quantized_weights_kept_or_dequantized_agree() {
         1e-3,
         "quantized matmul vs dequantized at load",
     );
-    // The same f32 matrices, dequantized at load or before each product.
-    assert_close(&on_use, &dense, 1e-6, "dequantized on use vs at load");
+    // The same f32 matrices, dequantized at load or before each product;
+    // only the operand layout differs (a transposed view against a
+    // contiguous transpose), so BLAS may sum in another order: OpenBLAS's
+    // Zen kernels differ by 6e-6 here, Haswell's by less than 1e-6.
+    assert_close(&on_use, &dense, 2e-5, "dequantized on use vs at load");
 }
 
 #[test]
