@@ -15,7 +15,7 @@ use crossbeam_channel::{unbounded, Sender};
 
 use crate::error::EngineError;
 use crate::generate::{generate_batch, GenSettings, GenState, Generation};
-use crate::model::{Model, QuantizedWeights};
+use crate::model::{MemoryMode, Model, QuantizedWeights};
 use crate::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
 use crate::tokenizer::{Message, Tokenizer};
 
@@ -285,7 +285,11 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
     let quantized = config
         .quantized
         .unwrap_or_else(|| QuantizedWeights::for_device(device));
-    let model = Model::load(&config.model_dir, quantized).map_err(err)?;
+    let memory = config.memory.unwrap_or_else(|| {
+        MemoryMode::for_model(weight_bytes(&config.model_dir), mlx_support::memory_limit())
+    });
+    tracing::info!(?memory, ?quantized, "loading the model");
+    let model = Model::load_with(&config.model_dir, quantized, memory).map_err(err)?;
     let tokenizer = Tokenizer::load(&config.model_dir).map_err(err)?;
     let processor = config.logits_processor_factory.map(|f| f(&tokenizer));
     let max_prompt_tokens = config.max_prompt_tokens.unwrap_or_else(|| {
@@ -307,4 +311,17 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         tokenizer,
         state,
     })
+}
+
+/// The size of the `.safetensors` files in `dir` (0 where unreadable: the
+/// load reports that).
+fn weight_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
 }

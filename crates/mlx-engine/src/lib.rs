@@ -94,6 +94,7 @@ mod gguf_check;
 mod gguf_gemma;
 mod gguf_quants;
 mod llama;
+mod mapped;
 mod model;
 mod options;
 mod rope;
@@ -107,7 +108,7 @@ pub use error::{EngineError, Error, Result};
 pub use generate::{Generation, GenerationStats};
 pub use gguf::{import_gguf, ImportWeights};
 pub use mlx_support::{Quantization, QuantizationConfig};
-pub use model::{Model, QuantizedWeights};
+pub use model::{MemoryMode, Model, QuantizedWeights};
 pub use options::{
     EngineConfig, GenerateOptions, LogitsProcessor, LogitsProcessorFactory, SpecialTokens,
     DEFAULT_MAX_PROMPT_TOKENS,

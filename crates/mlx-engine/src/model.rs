@@ -2,6 +2,7 @@
 //! with its weights.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
@@ -14,7 +15,7 @@ use crate::gemma::{Gemma, KeyPrefixes};
 use crate::llama::Llama;
 use crate::weights::Weights;
 
-pub use crate::weights::QuantizedWeights;
+pub use crate::weights::{MemoryMode, QuantizedWeights};
 
 enum Decoder {
     Llama(Llama),
@@ -37,15 +38,22 @@ impl std::fmt::Debug for Model {
 }
 
 impl Model {
-    /// Loads `dir` (mlx_lm format: `config.json` + safetensors).
+    /// Loads `dir` (mlx_lm format: `config.json` + safetensors) into
+    /// memory ([`MemoryMode::Resident`]).
     pub fn load(dir: &Path, quantized: QuantizedWeights) -> Result<Model> {
+        Model::load_with(dir, quantized, MemoryMode::Resident)
+    }
+
+    /// Loads `dir`, its weights held as `memory` says.
+    pub fn load_with(dir: &Path, quantized: QuantizedWeights, memory: MemoryMode) -> Result<Model> {
         let config = ModelConfig::load(dir)?;
-        let set = SafetensorsSet::open_dir(dir)?;
+        let set = Arc::new(SafetensorsSet::open_dir(dir)?);
         let w = Weights {
             dir,
             set: &set,
             quant: &config.quantization,
             mode: quantized,
+            memory,
         };
         let layers_prefix = match &config.gemma {
             Some(spec) => format!("{}layers.", KeyPrefixes::find(spec, &w)?.text),

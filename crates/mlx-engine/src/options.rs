@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use crate::model::QuantizedWeights;
+use crate::model::{MemoryMode, QuantizedWeights};
 use crate::tokenizer::{Message, Tokenizer};
 
 /// Changes the logits `(batch, vocab)` of each decoding step, e.g. to allow
@@ -58,6 +58,7 @@ pub struct EngineConfig {
     pub(crate) batch_size: usize,
     pub(crate) worker_name: String,
     pub(crate) quantized: Option<QuantizedWeights>,
+    pub(crate) memory: Option<MemoryMode>,
     pub(crate) max_prompt_tokens: Option<usize>,
     pub(crate) special_tokens: SpecialTokens,
 }
@@ -76,6 +77,7 @@ impl EngineConfig {
             batch_size: 8,
             worker_name: "mlx-engine".to_owned(),
             quantized: None,
+            memory: None,
             max_prompt_tokens: None,
             special_tokens: SpecialTokens::AsText,
         }
@@ -115,6 +117,14 @@ impl EngineConfig {
         self
     }
 
+    /// Where the weights live (default: [`MemoryMode::for_model`] with the
+    /// size of the model folder's weight files and
+    /// [`mlx_support::memory_limit`]).
+    pub fn memory(mut self, memory: MemoryMode) -> EngineConfig {
+        self.memory = Some(memory);
+        self
+    }
+
     /// The longest prompt (prefix and conversation, in tokens) a
     /// conversation may have; longer ones are
     /// [`EngineError::PromptTooLong`]. Default: the model's
@@ -143,6 +153,7 @@ impl std::fmt::Debug for EngineConfig {
             .field("batch_size", &self.batch_size)
             .field("worker_name", &self.worker_name)
             .field("quantized", &self.quantized)
+            .field("memory", &self.memory)
             .field("max_prompt_tokens", &self.max_prompt_tokens)
             .field("special_tokens", &self.special_tokens)
             .finish_non_exhaustive()

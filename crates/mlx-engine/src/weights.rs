@@ -6,14 +6,16 @@
 //! failed product later.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, dequantize, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 use mlx_support::{array_from_bytes, Quantization, QuantizationConfig};
-use st_mmap::SafetensorsSet;
+use st_mmap::{SafetensorsSet, TensorView};
 
 use crate::error::{Error, Result};
+use crate::mapped::MappedTable;
 
 /// How to hold quantized weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,13 +45,44 @@ impl QuantizedWeights {
     }
 }
 
+/// Where a model's weights live while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemoryMode {
+    /// Every weight copied into memory at load (what mlx_lm does).
+    Resident,
+    /// Embedding tables left in their files: the rows a batch needs are
+    /// read from the file at each lookup (and dequantized when packed), a
+    /// tied output head is computed a slice of rows at a time, and neither
+    /// table's pages count in the process's resident memory. The other
+    /// weights are resident. Results are the same, bit for bit; Gemma 4
+    /// E2B's per-layer table alone is over a third of its checkpoint.
+    MappedTables,
+}
+
+impl MemoryMode {
+    /// The engine's default for a model whose weight files hold
+    /// `weight_bytes`, on a machine whose memory limit (physical memory, or
+    /// a lower cgroup limit) is `memory_bytes`: resident while the weights
+    /// take at most half the memory, since the page cache, the activations
+    /// and the rest of the application need the other half; tables mapped
+    /// beyond that. Unknown memory: resident.
+    pub fn for_model(weight_bytes: u64, memory_bytes: Option<u64>) -> MemoryMode {
+        match memory_bytes {
+            Some(memory) if weight_bytes > memory / 2 => MemoryMode::MappedTables,
+            _ => MemoryMode::Resident,
+        }
+    }
+}
+
 /// The weights of one model folder, read through a key prefix (`model.`,
 /// or `language_model.model.` in a multimodal checkpoint).
 pub(crate) struct Weights<'a> {
     pub dir: &'a Path,
-    pub set: &'a SafetensorsSet,
+    pub set: &'a Arc<SafetensorsSet>,
     pub quant: &'a QuantizationConfig,
     pub mode: QuantizedWeights,
+    pub memory: MemoryMode,
 }
 
 impl Weights<'_> {
@@ -71,8 +104,8 @@ impl Weights<'_> {
         }
     }
 
-    /// `key`, whose shape must be `expected`.
-    pub fn array(&self, key: &str, expected: &[usize]) -> Result<Array> {
+    /// The view of `key`, whose shape must be `expected`.
+    fn view(&self, key: &str, expected: &[usize]) -> Result<TensorView<'_>> {
         let view = self.set.tensor(key).ok_or_else(|| self.missing(key))?;
         if view.shape != expected {
             return Err(Error::WeightShape {
@@ -82,6 +115,12 @@ impl Weights<'_> {
                 actual: view.shape.to_vec(),
             });
         }
+        Ok(view)
+    }
+
+    /// `key`, whose shape must be `expected`.
+    pub fn array(&self, key: &str, expected: &[usize]) -> Result<Array> {
+        let view = self.view(key, expected)?;
         let array = array_from_bytes(key, view.dtype, view.shape, view.data)?;
         // The array is a copy: the mapped pages read to make it would
         // otherwise stay resident until the whole model is loaded, doubling
@@ -98,6 +137,25 @@ impl Weights<'_> {
     /// The packed form of `{prefix}.weight` `(rows, cols)` when the files
     /// hold `.scales` for it.
     fn packed(&self, prefix: &str, rows: usize, cols: usize) -> Result<Option<(Array, Packed)>> {
+        let Some(q) = self.packing(prefix, rows, cols)? else {
+            return Ok(None);
+        };
+        let (gs, bits) = (q.group_size as usize, q.bits as usize);
+        let weight = self.array(&format!("{prefix}.weight"), &[rows, cols * bits / 32])?;
+        let groups = [rows, cols / gs];
+        let packed = Packed {
+            scales: self.array(&format!("{prefix}.scales"), &groups)?,
+            biases: self.array(&format!("{prefix}.biases"), &groups)?,
+            q,
+            dequantize_on_use: self.mode != QuantizedWeights::Keep,
+        };
+        Ok(Some((weight, packed)))
+    }
+
+    /// How `{prefix}.weight` `(rows, cols)` is packed, when the files hold
+    /// `.scales` for it: the module's quantization, checked to fit the
+    /// row length.
+    fn packing(&self, prefix: &str, rows: usize, cols: usize) -> Result<Option<Quantization>> {
         if !self.has(&format!("{prefix}.scales")) {
             return Ok(None);
         }
@@ -126,15 +184,7 @@ impl Weights<'_> {
                 actual,
             });
         }
-        let weight = self.array(&weight_key, &[rows, cols * bits / 32])?;
-        let groups = [rows, cols / gs];
-        let packed = Packed {
-            scales: self.array(&format!("{prefix}.scales"), &groups)?,
-            biases: self.array(&format!("{prefix}.biases"), &groups)?,
-            q,
-            dequantize_on_use: self.mode != QuantizedWeights::Keep,
-        };
-        Ok(Some((weight, packed)))
+        Ok(Some(q))
     }
 
     /// `{prefix}.weight` (+ `.bias`) of a layer from `inputs` to `outputs`,
@@ -179,6 +229,9 @@ impl Weights<'_> {
         dim: usize,
         as_head: bool,
     ) -> Result<Embedding> {
+        if self.memory == MemoryMode::MappedTables {
+            return self.mapped_embedding(prefix, vocab, dim, as_head);
+        }
         let packed = self.packed(prefix, vocab, dim)?;
         Ok(match packed {
             None => {
@@ -197,6 +250,44 @@ impl Weights<'_> {
     }
 }
 
+impl Weights<'_> {
+    /// [`embedding`](Self::embedding) left in the files: the shapes are
+    /// checked now, the rows read at each lookup.
+    fn mapped_embedding(
+        &self,
+        prefix: &str,
+        vocab: usize,
+        dim: usize,
+        as_head: bool,
+    ) -> Result<Embedding> {
+        let weight = format!("{prefix}.weight");
+        let Some(q) = self.packing(prefix, vocab, dim)? else {
+            self.view(&weight, &[vocab, dim])?;
+            return Ok(Embedding::Mapped(Box::new(MappedTable::dense(
+                self.set.clone(),
+                weight,
+                vocab,
+                dim,
+            ))));
+        };
+        let (gs, bits) = (q.group_size as usize, q.bits as usize);
+        self.view(&weight, &[vocab, dim * bits / 32])?;
+        let groups = [vocab, dim / gs];
+        let (scales, biases) = (format!("{prefix}.scales"), format!("{prefix}.biases"));
+        self.view(&scales, &groups)?;
+        self.view(&biases, &groups)?;
+        Ok(Embedding::Mapped(Box::new(MappedTable::packed(
+            self.set.clone(),
+            [weight, scales, biases],
+            q,
+            vocab,
+            dim,
+            self.mode,
+            as_head,
+        ))))
+    }
+}
+
 /// `wᵀ`, evaluated as a contiguous matrix so the original can be dropped.
 ///
 /// Dense weights are held as `(in, out)`: with the product `x · W` on rows
@@ -204,7 +295,7 @@ impl Weights<'_> {
 /// than the checkpoint's `(out, in)` read transposed (a micro-benchmark on
 /// the project's machine; no difference at hundreds of rows). Done once at
 /// load, a matrix at a time, so loading holds one extra matrix at most.
-fn transposed(w: &Array) -> Result<Array> {
+pub(crate) fn transposed(w: &Array) -> Result<Array> {
     let t = w.t().contiguous()?;
     t.eval()?;
     Ok(t)
@@ -212,30 +303,30 @@ fn transposed(w: &Array) -> Result<Array> {
 
 /// What unpacks a quantized weight matrix.
 pub(crate) struct Packed {
-    scales: Array,
-    biases: Array,
-    q: Quantization,
+    pub scales: Array,
+    pub biases: Array,
+    pub q: Quantization,
     /// Dequantize before each product instead of MLX's quantized matmul.
-    dequantize_on_use: bool,
+    pub dequantize_on_use: bool,
 }
 
 impl Packed {
     /// The dense matrix of the packed `weight` (or of some of its rows,
     /// given the matching rows of the scales and biases), in the scales'
     /// dtype.
-    fn dense_rows(&self, weight: &Array, scales: &Array, biases: &Array) -> Result<Array> {
+    pub fn dense_rows(&self, weight: &Array, scales: &Array, biases: &Array) -> Result<Array> {
         let (gs, bits) = (self.q.group_size, self.q.bits);
         Ok(dequantize(weight, scales, biases, gs, bits)?)
     }
 
     /// The dense matrix in f32, which MLX's CPU backend multiplies with BLAS.
-    fn dense_f32(&self, weight: &Array) -> Result<Array> {
+    pub fn dense_f32(&self, weight: &Array) -> Result<Array> {
         Ok(self
             .dense_rows(weight, &self.scales, &self.biases)?
             .as_dtype(Dtype::Float32)?)
     }
 
-    fn quantized_matmul(&self, x: &Array, weight: &Array) -> Result<Array> {
+    pub fn quantized_matmul(&self, x: &Array, weight: &Array) -> Result<Array> {
         let (gs, bits) = (self.q.group_size, self.q.bits);
         Ok(quantized_matmul(
             x,
@@ -278,9 +369,18 @@ impl Linear {
     }
 }
 
-/// Rows of a tied output head dequantized at a time: a slice of a
-/// 262,144-entry vocabulary in f32 instead of the whole table.
-const HEAD_ROWS: i32 = 32_768;
+/// The f32 bytes of the slice of rows a tied output head is dequantized
+/// (or, mapped, read) in: 16 MiB instead of the whole table, whose f32 form
+/// is 1.5 GiB for Gemma's 262,144 × 1536. The products of the slices are
+/// the columns of the whole product, bit for bit (each output element's
+/// sum runs over the same inputs in the same order).
+const HEAD_SLICE_BYTES: usize = 16 << 20;
+
+/// Rows of a `dim`-wide table per slice of the head (see
+/// [`HEAD_SLICE_BYTES`]).
+pub(crate) fn head_slice_rows(dim: usize) -> usize {
+    (HEAD_SLICE_BYTES / (4 * dim.max(1))).max(1)
+}
 
 /// A token embedding table.
 pub(crate) enum Embedding {
@@ -291,6 +391,8 @@ pub(crate) enum Embedding {
     Dense(Array),
     /// Packed rows: gathered rows are dequantized.
     Packed { weight: Array, packed: Packed },
+    /// Left in the files ([`MemoryMode::MappedTables`]).
+    Mapped(Box<MappedTable>),
 }
 
 impl Embedding {
@@ -304,6 +406,7 @@ impl Embedding {
                 &packed.scales.take_axis(tokens, 0)?,
                 &packed.biases.take_axis(tokens, 0)?,
             )?,
+            Embedding::Mapped(table) => table.lookup(tokens)?,
         })
     }
 
@@ -315,14 +418,16 @@ impl Embedding {
             Embedding::Packed { weight, packed } if !packed.dequantize_on_use => {
                 packed.quantized_matmul(x, weight)?
             }
+            Embedding::Mapped(table) => table.as_linear(x)?,
             Embedding::Packed { weight, packed } => {
                 // The whole table in f32 would be as large as an f32
                 // model's embedding; a slice at a time is enough.
                 let vocab = weight.dim(0);
+                let rows = head_slice_rows(x.dim(-1) as usize) as i32;
                 let mut parts = Vec::new();
                 let mut start = 0;
                 while start < vocab {
-                    let end = (start + HEAD_ROWS).min(vocab);
+                    let end = (start + rows).min(vocab);
                     let rows = packed
                         .dense_rows(
                             &weight.index(start..end),
@@ -339,5 +444,28 @@ impl Embedding {
                 concatenate(&parts, -1)?
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_are_mapped_when_the_weights_take_over_half_the_memory() {
+        const GIB: u64 = 1 << 30;
+        let mode = |weights, memory| MemoryMode::for_model(weights, memory);
+        assert_eq!(mode(3 * GIB, Some(8 * GIB)), MemoryMode::Resident);
+        assert_eq!(mode(4 * GIB, Some(8 * GIB)), MemoryMode::Resident);
+        assert_eq!(mode(5 * GIB, Some(8 * GIB)), MemoryMode::MappedTables);
+        assert_eq!(mode(100 * GIB, None), MemoryMode::Resident);
+    }
+
+    #[test]
+    fn head_slices_hold_16_mib_of_f32_rows_and_at_least_one_row() {
+        assert_eq!(head_slice_rows(1536), 2730);
+        assert_eq!(head_slice_rows(576), 7281);
+        assert_eq!(head_slice_rows(8 << 20), 1);
+        assert_eq!(head_slice_rows(0), 4 << 20);
     }
 }

@@ -14,8 +14,8 @@ use std::process::Command;
 
 use common::{mlx_lm_python, normal, write_tokenizer, VOCAB};
 use mlx_engine::{
-    EngineConfig, Error, GenerateOptions, KvCache, Message, MlxEngine, Model, QuantizedWeights,
-    SpecialTokens, Tokenizer,
+    EngineConfig, Error, GenerateOptions, KvCache, MemoryMode, Message, MlxEngine, Model,
+    QuantizedWeights, SpecialTokens, Tokenizer,
 };
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
@@ -574,6 +574,99 @@ fn quantized_gemma4_modes_agree() {
     let at_load = logits(QuantizedWeights::DequantizeF32);
     assert!(max_difference(&kept, &on_use) < 1e-3);
     assert!(max_difference(&on_use, &at_load) < 1e-5);
+}
+
+/// Embedding tables left in the files (the token table, tied head, and
+/// the per-layer table) give the resident model's logits bit for bit, in
+/// every quantized-weights mode, f32 and 4-bit, for a whole prompt and for
+/// a padded batch after a shared prefix; the engine's greedy texts are the
+/// same; a token outside the vocabulary is a typed error.
+#[test]
+fn gemma4_with_mapped_tables_equals_resident() {
+    for quantized in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        write_gemma4(dir.path(), Layout::Text, quantized);
+        let (prefix, suffixes) = prompt_tokens(dir.path());
+        let full = ids(&[prefix.clone(), suffixes[3].clone()].concat());
+        let width = suffixes.iter().map(Vec::len).max().unwrap();
+        let block: Vec<i32> = suffixes
+            .iter()
+            .flat_map(|s| std::iter::repeat_n(0, width - s.len()).chain(ids(s)))
+            .collect();
+        let pads: Vec<i32> = suffixes.iter().map(|s| (width - s.len()) as i32).collect();
+        let rows = suffixes.len() as i32;
+        let logits = |mode, memory| {
+            let model = Model::load_with(dir.path(), mode, memory).unwrap();
+            let alone = model
+                .forward(
+                    &Array::from_slice(&full, &[1, full.len() as i32]),
+                    &mut KvCache::new(),
+                )
+                .unwrap();
+            let mut shared = KvCache::new();
+            let p = ids(&prefix);
+            model
+                .forward_last(&Array::from_slice(&p, &[1, p.len() as i32]), &mut shared)
+                .unwrap();
+            let mut cache = shared.fork(rows).unwrap();
+            cache.set_pads(pads.clone()).unwrap();
+            let batch = model
+                .forward_last(
+                    &Array::from_slice(&block, &[rows, width as i32]),
+                    &mut cache,
+                )
+                .unwrap();
+            let bits = |a: &Array| -> Vec<u32> {
+                let a = a.as_dtype(Dtype::Float32).unwrap();
+                a.eval().unwrap();
+                a.as_slice::<f32>().iter().map(|v| v.to_bits()).collect()
+            };
+            (bits(&alone), bits(&batch))
+        };
+        for mode in [
+            QuantizedWeights::Keep,
+            QuantizedWeights::DequantizeOnUse,
+            QuantizedWeights::DequantizeF32,
+        ] {
+            let resident = logits(mode, MemoryMode::Resident);
+            let mapped = logits(mode, MemoryMode::MappedTables);
+            assert!(
+                resident == mapped,
+                "quantized {quantized}, {mode:?}: mapped tables change the logits"
+            );
+        }
+        let texts = |memory| {
+            let engine = MlxEngine::new(
+                EngineConfig::new(dir.path())
+                    .prefix_messages(vec![system()])
+                    .batch_size(4)
+                    .memory(memory),
+            )
+            .unwrap();
+            engine
+                .generate(
+                    conversations(),
+                    GenerateOptions::new().max_tokens(MAX_TOKENS),
+                )
+                .unwrap()
+                .texts
+        };
+        assert_eq!(
+            texts(MemoryMode::Resident),
+            texts(MemoryMode::MappedTables),
+            "quantized {quantized}"
+        );
+
+        let model =
+            Model::load_with(dir.path(), QuantizedWeights::Keep, MemoryMode::MappedTables).unwrap();
+        let outside = Array::from_slice(&[3, VOCAB], &[1, 2]);
+        match model.forward(&outside, &mut KvCache::new()) {
+            Err(Error::TokenOutOfRange { id, vocab }) => {
+                assert_eq!((id, vocab), (VOCAB as u32, VOCAB as usize));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {

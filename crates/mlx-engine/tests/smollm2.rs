@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use mlx_engine::{
-    EngineConfig, GenerateOptions, KvCache, Message, MlxEngine, Model, QuantizedWeights,
-    SpecialTokens, Tokenizer,
+    EngineConfig, GenerateOptions, KvCache, MemoryMode, Message, MlxEngine, Model,
+    QuantizedWeights, SpecialTokens, Tokenizer,
 };
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
@@ -172,6 +172,65 @@ fn quantized_import_agrees_with_f32_import() {
             "{mode:?}: quantized and f32 logits differ by up to {worst}"
         );
     }
+}
+
+/// The embedding table left in its file (with the tied head computed in
+/// slices from it) gives the resident logits bit for bit, f32 and 4-bit,
+/// in every quantized-weights mode, and the engine the same greedy texts.
+#[test]
+fn mapped_tables_equal_resident() {
+    let (Some(f32_dir), Some(q4_dir)) = (fixture("f32"), fixture("q4")) else {
+        eprintln!(
+            "SKIP mapped_tables_equal_resident: no SmolLM2 fixture (run cargo xtask fixtures)"
+        );
+        return;
+    };
+    let tokenizer = Tokenizer::load(&f32_dir).unwrap();
+    let ids: Vec<i32> = tokenizer
+        .chat_tokens(&prompts()[1], true, SpecialTokens::AsText)
+        .unwrap()
+        .iter()
+        .map(|&t| t as i32)
+        .collect();
+    let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
+    let logits = |dir: &PathBuf, q, memory| -> Vec<u32> {
+        let model = Model::load_with(dir, q, memory).unwrap();
+        let logits = model.forward(&input, &mut KvCache::new()).unwrap();
+        logits.eval().unwrap();
+        logits
+            .as_slice::<f32>()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    for (dir, modes) in [
+        (&f32_dir, &[QuantizedWeights::DequantizeF32][..]),
+        (
+            &q4_dir,
+            &[
+                QuantizedWeights::Keep,
+                QuantizedWeights::DequantizeOnUse,
+                QuantizedWeights::DequantizeF32,
+            ][..],
+        ),
+    ] {
+        for &q in modes {
+            assert!(
+                logits(dir, q, MemoryMode::Resident) == logits(dir, q, MemoryMode::MappedTables),
+                "{} {q:?}: mapped tables change the logits",
+                dir.display()
+            );
+        }
+    }
+    let texts = |memory| {
+        let engine =
+            MlxEngine::new(EngineConfig::new(&q4_dir).batch_size(2).memory(memory)).unwrap();
+        engine
+            .generate(prompts(), GenerateOptions::new().max_tokens(8))
+            .unwrap()
+            .texts
+    };
+    assert_eq!(texts(MemoryMode::Resident), texts(MemoryMode::MappedTables));
 }
 
 /// The largest absolute difference between two equally long vectors.

@@ -44,6 +44,52 @@ impl ProcessMemory {
     }
 }
 
+/// The memory this process may use, in bytes: the machine's physical
+/// memory, or on Linux the limit of the process's cgroup (v2
+/// `memory.max`, as containers and `systemd-run -p MemoryMax=` set it)
+/// when that is lower. `None` when the OS does not say.
+pub fn memory_limit() -> Option<u64> {
+    let physical = physical_memory();
+    match (physical, cgroup_memory_max()) {
+        (Some(p), Some(c)) => Some(p.min(c)),
+        (p, c) => p.or(c),
+    }
+}
+
+fn physical_memory() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf only reads system configuration values.
+        let (pages, page_size) = unsafe {
+            (
+                libc::sysconf(libc::_SC_PHYS_PAGES),
+                libc::sysconf(libc::_SC_PAGESIZE),
+            )
+        };
+        let (pages, page_size) = (u64::try_from(pages).ok()?, u64::try_from(page_size).ok()?);
+        pages.checked_mul(page_size)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// The `memory.max` of this process's cgroup (v2), when one is set.
+fn cgroup_memory_max() -> Option<u64> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    // `0::/path` is the v2 entry of /proc/self/cgroup.
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroups.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let max = std::path::Path::new("/sys/fs/cgroup")
+        .join(path.trim_start_matches('/'))
+        .join("memory.max");
+    // "max" (no limit) does not parse.
+    std::fs::read_to_string(max).ok()?.trim().parse().ok()
+}
+
 /// `getrusage(who)`: the process's or (Linux) the calling thread's usage.
 fn rusage(who: libc::c_int) -> Option<libc::rusage> {
     // SAFETY: getrusage fills the zero-initialised struct we own.
@@ -118,6 +164,14 @@ mod tests {
         let after = ProcessMemory::read();
         assert!(after.peak_rss.unwrap() >= peak_before.max(60 << 20));
         drop(block);
+    }
+
+    #[test]
+    fn the_memory_limit_is_known_and_at_most_physical_memory() {
+        let limit = memory_limit().expect("known on Linux and macOS");
+        assert!(limit <= physical_memory().unwrap());
+        // No machine that runs MLX has less than 256 MiB.
+        assert!(limit >= 256 << 20, "{limit}");
     }
 
     /// Minor page faults of the calling thread so far.

@@ -45,6 +45,14 @@ pub enum Error {
     /// A directory holds no `.safetensors` file.
     #[error("{dir}: no .safetensors files")]
     NoSafetensors { dir: PathBuf },
+    /// Rows were asked of a tensor that does not have them.
+    #[error("{path}: rows {}..{} of {key:?}, which has {len}", rows.start, rows.end)]
+    RowsOutOfRange {
+        path: PathBuf,
+        key: String,
+        rows: std::ops::Range<usize>,
+        len: usize,
+    },
     /// A key starts with the block prefix but its block number is not a
     /// plain decimal (see [`BlockPrefix`](crate::BlockPrefix)).
     #[error("{key:?} starts with block prefix {prefix:?} but {reason}")]

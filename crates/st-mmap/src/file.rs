@@ -1,6 +1,7 @@
 //! One memory-mapped safetensors file.
 
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -152,6 +153,38 @@ impl SafetensorsFile {
         let offset = (self.header.data_start() + info.data_offsets.0) as u64;
         let mut bytes = vec![0u8; info.byte_len()];
         read_exact_at(&self.file, &mut bytes, offset).map_err(io_error(&self.path))?;
+        Ok(Some(bytes))
+    }
+
+    /// Rows `rows` of tensor `name` (slices along its outermost dimension),
+    /// read with positioned reads like [`read_tensor`](Self::read_tensor):
+    /// a few rows of a large table (an embedding looked up per token) are
+    /// read without the table, or the pages around the rows, entering this
+    /// process's resident set. `None` for an unknown name.
+    ///
+    /// # Errors
+    /// [`Error::RowsOutOfRange`] when `rows` is not inside the tensor's
+    /// outermost dimension (a scalar has none); [`Error::Io`] naming the file
+    /// when the read fails.
+    pub fn read_rows(&self, name: &str, rows: Range<usize>) -> Result<Option<Vec<u8>>> {
+        let Some(info) = self.header.tensor(name) else {
+            return Ok(None);
+        };
+        let len = info.shape.first().copied().unwrap_or(0);
+        if rows.start > rows.end || rows.end > len {
+            return Err(Error::RowsOutOfRange {
+                path: self.path.clone(),
+                key: name.to_owned(),
+                rows,
+                len,
+            });
+        }
+        // The header check made the byte length the product of the shape
+        // and the element size, so it divides into whole rows.
+        let row_bytes = info.byte_len().checked_div(len).unwrap_or(0);
+        let offset = self.header.data_start() + info.data_offsets.0 + rows.start * row_bytes;
+        let mut bytes = vec![0u8; rows.len() * row_bytes];
+        read_exact_at(&self.file, &mut bytes, offset as u64).map_err(io_error(&self.path))?;
         Ok(Some(bytes))
     }
 

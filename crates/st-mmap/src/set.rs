@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use crate::error::{io_error, Error, Result};
@@ -147,6 +148,18 @@ impl SafetensorsSet {
         self.keys
             .get(key)
             .is_some_and(|&i| self.files[i].release(key))
+    }
+
+    /// Rows `rows` of tensor `key`, wherever it is, by positioned reads; see
+    /// [`SafetensorsFile::read_rows`].
+    ///
+    /// # Errors
+    /// As [`SafetensorsFile::read_rows`].
+    pub fn read_rows(&self, key: &str, rows: Range<usize>) -> Result<Option<Vec<u8>>> {
+        match self.keys.get(key) {
+            Some(&i) => self.files[i].read_rows(key, rows),
+            None => Ok(None),
+        }
     }
 
     /// The file that holds `key`.

@@ -261,3 +261,59 @@ fn a_released_tensor_leaves_resident_memory_and_still_reads_the_same() {
     }
     assert_eq!(sum(&set), before);
 }
+
+#[test]
+fn rows_are_read_by_position_from_the_file_holding_them() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "a.safetensors", &["small"]);
+    // A (5, 3) table of u16 whose element (r, c) is 100·r + c.
+    let table: Vec<u8> = (0..5u16)
+        .flat_map(|r| (0..3u16).map(move |c| 100 * r + c))
+        .flat_map(u16::to_le_bytes)
+        .collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::U16, vec![5, 3], &table).unwrap();
+    let scalar = [9u8];
+    let scalar =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![], &scalar).unwrap();
+    let path = dir.path().join("b.safetensors");
+    fs::write(
+        &path,
+        safetensors::serialize([("table", view), ("scalar", scalar)], None).unwrap(),
+    )
+    .unwrap();
+    let set = SafetensorsSet::open_dir(dir.path()).unwrap();
+
+    let rows = set.read_rows("table", 1..3).unwrap().unwrap();
+    let values: Vec<u16> = rows
+        .chunks(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    assert_eq!(values, [100, 101, 102, 200, 201, 202]);
+    assert_eq!(
+        set.read_rows("table", 4..4).unwrap().unwrap(),
+        Vec::<u8>::new()
+    );
+    assert_eq!(set.read_rows("small", 0..2).unwrap().unwrap(), [0, 7]);
+    assert!(set.read_rows("missing", 0..1).unwrap().is_none());
+
+    // Past the end, reversed, and a scalar, which has no rows.
+    let reversed = std::ops::Range { start: 3, end: 2 };
+    for (key, rows, len) in [
+        ("table", 4..6, 5),
+        ("table", reversed, 5),
+        ("scalar", 0..1, 0),
+    ] {
+        match set.read_rows(key, rows.clone()) {
+            Err(Error::RowsOutOfRange {
+                path: p,
+                key: k,
+                rows: r,
+                len: l,
+            }) => {
+                assert_eq!((p, k.as_str(), r, l), (path.clone(), key, rows, len));
+            }
+            other => panic!("{key} {rows:?}: {other:?}"),
+        }
+    }
+}

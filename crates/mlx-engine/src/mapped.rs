@@ -1,0 +1,216 @@
+//! Embedding tables left in their files ([`MemoryMode::MappedTables`]).
+//!
+//! A lookup needs a few rows per token, so it reads just those rows with
+//! positioned reads ([`SafetensorsSet::read_rows`]): the pages go through
+//! the page cache but never into the process's resident set, and nothing
+//! has to be released afterwards. The rows then go through the same
+//! operations as the resident table's (gather, then dequantize), so the
+//! results are the same bit for bit. A tied output head needs every row:
+//! it is computed a slice at a time, each slice read, unpacked, multiplied
+//! and freed before the next.
+//!
+//! [`MemoryMode::MappedTables`]: crate::MemoryMode::MappedTables
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use mlx_rs::ops::{concatenate, dequantize};
+use mlx_rs::{Array, Dtype};
+use mlx_support::{array_from_bytes, Quantization};
+use st_mmap::SafetensorsSet;
+
+use crate::error::{Error, Result};
+use crate::weights::{head_slice_rows, transposed, QuantizedWeights};
+
+/// One table in the files: its weight and, when packed, its scales and
+/// biases, all `vocab` rows long.
+pub(crate) struct MappedTable {
+    set: Arc<SafetensorsSet>,
+    weight: String,
+    packing: Option<Packing>,
+    vocab: usize,
+    /// Elements per row, unpacked.
+    dim: usize,
+}
+
+/// A packed table's scales, biases and how to unpack them.
+struct Packing {
+    scales: String,
+    biases: String,
+    q: Quantization,
+    /// The head uses MLX's quantized product (Apple GPUs).
+    quantized_head: bool,
+    /// Unpacked rows come out in f32: the resident table of this mode is
+    /// dequantized to f32 at load.
+    f32_rows: bool,
+}
+
+/// Rows read from a table.
+struct Rows {
+    weight: Array,
+    /// Scales and biases, when packed.
+    packing: Option<(Array, Array)>,
+}
+
+impl MappedTable {
+    /// A dense `(vocab, dim)` table under `key`.
+    pub fn dense(set: Arc<SafetensorsSet>, key: String, vocab: usize, dim: usize) -> MappedTable {
+        MappedTable {
+            set,
+            weight: key,
+            packing: None,
+            vocab,
+            dim,
+        }
+    }
+
+    /// A packed table: `keys` are its weight, scales and biases. `as_head`
+    /// and `mode` say what the resident table would have been, whose
+    /// results this one repeats.
+    pub fn packed(
+        set: Arc<SafetensorsSet>,
+        [weight, scales, biases]: [String; 3],
+        q: Quantization,
+        vocab: usize,
+        dim: usize,
+        mode: QuantizedWeights,
+        as_head: bool,
+    ) -> MappedTable {
+        MappedTable {
+            set,
+            weight,
+            packing: Some(Packing {
+                scales,
+                biases,
+                q,
+                quantized_head: mode == QuantizedWeights::Keep,
+                f32_rows: as_head && mode == QuantizedWeights::DequantizeF32,
+            }),
+            vocab,
+            dim,
+        }
+    }
+
+    /// The rows of `tokens` `(B, L)`: `(B, L, dim)`.
+    pub fn lookup(&self, tokens: &Array) -> Result<Array> {
+        let ids = tokens.as_dtype(Dtype::Int32)?;
+        ids.eval()?;
+        let ids: &[i32] = ids.as_slice();
+        // Each distinct token read once, consecutive ones in one read.
+        let mut distinct = ids.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        for &id in [distinct.first(), distinct.last()].into_iter().flatten() {
+            if usize::try_from(id).map_or(true, |id| id >= self.vocab) {
+                return Err(Error::TokenOutOfRange {
+                    id: id as u32,
+                    vocab: self.vocab,
+                });
+            }
+        }
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for &id in &distinct {
+            let id = id as usize;
+            match runs.last_mut() {
+                Some(run) if run.end == id => run.end += 1,
+                _ => runs.push(id..id + 1),
+            }
+        }
+        let rows = self.read(&runs)?;
+        // Where each token's row is among the distinct rows.
+        let position: Vec<i32> = ids
+            .iter()
+            .map(|id| distinct.binary_search(id).unwrap_or_default() as i32)
+            .collect();
+        let position = Array::from_slice(&position, tokens.shape());
+        let gathered = Rows {
+            weight: rows.weight.take_axis(&position, 0)?,
+            packing: match &rows.packing {
+                Some((s, b)) => Some((s.take_axis(&position, 0)?, b.take_axis(&position, 0)?)),
+                None => None,
+            },
+        };
+        self.unpacked(&gathered)
+    }
+
+    /// `x · tableᵀ`: the tied output projection, `(…, vocab)`, a slice of
+    /// rows at a time.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        let step = head_slice_rows(self.dim);
+        let mut parts = Vec::new();
+        let mut start = 0;
+        while start < self.vocab {
+            let end = (start + step).min(self.vocab);
+            let rows = self.read(std::slice::from_ref(&(start..end)))?;
+            let part = match (&self.packing, &rows.packing) {
+                (Some(p), Some((s, b))) if p.quantized_head => {
+                    let (gs, bits) = (p.q.group_size, p.q.bits);
+                    mlx_rs::ops::quantized_matmul(x, &rows.weight, s, b, true, gs, bits)?
+                }
+                // The resident head of the dequantize-on-use mode is
+                // multiplied as `x · rowsᵀ`; that of a dense table or of
+                // f32 at load is held transposed (see `transposed`).
+                (Some(p), _) if !p.f32_rows => {
+                    let dense = self.unpacked(&rows)?.as_dtype(Dtype::Float32)?;
+                    x.matmul(dense.t())?
+                }
+                _ => x.matmul(transposed(&self.unpacked(&rows)?)?)?,
+            };
+            // Evaluated now, so that one slice is in memory at a time.
+            part.eval()?;
+            parts.push(part);
+            start = end;
+        }
+        Ok(concatenate(&parts, -1)?)
+    }
+
+    /// The rows `runs` of the table, one run after another.
+    fn read(&self, runs: &[Range<usize>]) -> Result<Rows> {
+        let weight = self.read_tensor(&self.weight, runs)?;
+        let packing = match &self.packing {
+            Some(p) => Some((
+                self.read_tensor(&p.scales, runs)?,
+                self.read_tensor(&p.biases, runs)?,
+            )),
+            None => None,
+        };
+        Ok(Rows { weight, packing })
+    }
+
+    fn read_tensor(&self, key: &str, runs: &[Range<usize>]) -> Result<Array> {
+        // The key's presence and shape were checked at load, and the set
+        // does not change.
+        let missing = || Error::MissingWeight {
+            dir: self
+                .set
+                .file_of(&self.weight)
+                .unwrap_or(Path::new(""))
+                .to_path_buf(),
+            key: key.to_owned(),
+        };
+        let view = self.set.tensor(key).ok_or_else(missing)?;
+        let mut bytes = Vec::new();
+        for run in runs {
+            bytes.extend(self.set.read_rows(key, run.clone())?.ok_or_else(missing)?);
+        }
+        let mut shape = view.shape.to_vec();
+        shape[0] = runs.iter().map(ExactSizeIterator::len).sum();
+        Ok(array_from_bytes(key, view.dtype, &shape, &bytes)?)
+    }
+
+    /// Rows as the resident table's lookup returns them.
+    fn unpacked(&self, rows: &Rows) -> Result<Array> {
+        Ok(match (&self.packing, &rows.packing) {
+            (Some(p), Some((s, b))) => {
+                let dense = dequantize(&rows.weight, s, b, p.q.group_size, p.q.bits)?;
+                if p.f32_rows {
+                    dense.as_dtype(Dtype::Float32)?
+                } else {
+                    dense
+                }
+            }
+            _ => rows.weight.clone(),
+        })
+    }
+}
