@@ -21,11 +21,20 @@ use mlx_rs::ops::{maximum, minimum};
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{Array, Dtype};
 
-type Compiled = Box<dyn for<'a> FnMut(&'a [Array]) -> Result<Vec<Array>, Exception>>;
-type Kernel = std::thread::LocalKey<RefCell<Compiled>>;
+pub(crate) type Compiled = Box<dyn for<'a> FnMut(&'a [Array]) -> Result<Vec<Array>, Exception>>;
+pub(crate) type Kernel = std::thread::LocalKey<RefCell<Compiled>>;
 
+/// `f` compiled for any shapes (traced once).
 fn compiled(f: fn(&[Array]) -> Result<Vec<Array>, Exception>) -> RefCell<Compiled> {
     RefCell::new(Box::new(compile(f, true)))
+}
+
+/// `f` compiled per shape of its inputs (traced again for each new one),
+/// for graphs that reshape.
+pub(crate) fn compiled_per_shape(
+    f: fn(&[Array]) -> Result<Vec<Array>, Exception>,
+) -> RefCell<Compiled> {
+    RefCell::new(Box::new(compile(f, false)))
 }
 
 // The compiled functions live as long as their thread: MLX keys a compiled
@@ -47,7 +56,10 @@ thread_local! {
     });
 }
 
-fn call<const N: usize>(f: &'static Kernel, args: &[Array]) -> Result<[Array; N], Exception> {
+pub(crate) fn call<const N: usize>(
+    f: &'static Kernel,
+    args: &[Array],
+) -> Result<[Array; N], Exception> {
     let out = f.with(|f| (f.borrow_mut())(args))?;
     out.try_into()
         .map_err(|_| Exception::custom("a compiled kernel returned the wrong number of arrays"))

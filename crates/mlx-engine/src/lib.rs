@@ -99,6 +99,7 @@ mod model;
 mod options;
 mod rope;
 mod tokenizer;
+mod unpack;
 mod weights;
 
 pub use cache::KvCache;

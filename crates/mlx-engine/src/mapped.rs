@@ -15,13 +15,14 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-use mlx_rs::ops::{concatenate, dequantize};
+use mlx_rs::ops::dequantize;
 use mlx_rs::{Array, Dtype};
 use mlx_support::{array_from_bytes, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
-use crate::weights::{head_slice_rows, transposed, QuantizedWeights};
+use crate::unpack::dequantize_f32;
+use crate::weights::{in_row_slices, transposed, QuantizedWeights};
 
 /// One table in the files: its weight and, when packed, its scales and
 /// biases, all `vocab` rows long.
@@ -135,15 +136,11 @@ impl MappedTable {
     }
 
     /// `x · tableᵀ`: the tied output projection, `(…, vocab)`, a slice of
-    /// rows at a time.
+    /// rows read at a time.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        let step = head_slice_rows(self.dim);
-        let mut parts = Vec::new();
-        let mut start = 0;
-        while start < self.vocab {
-            let end = (start + step).min(self.vocab);
-            let rows = self.read(std::slice::from_ref(&(start..end)))?;
-            let part = match (&self.packing, &rows.packing) {
+        in_row_slices(self.vocab, self.dim, |range| {
+            let rows = self.read(std::slice::from_ref(&range))?;
+            Ok(match (&self.packing, &rows.packing) {
                 (Some(p), Some((s, b))) if p.quantized_head => {
                     let (gs, bits) = (p.q.group_size, p.q.bits);
                     mlx_rs::ops::quantized_matmul(x, &rows.weight, s, b, true, gs, bits)?
@@ -151,18 +148,12 @@ impl MappedTable {
                 // The resident head of the dequantize-on-use mode is
                 // multiplied as `x · rowsᵀ`; that of a dense table or of
                 // f32 at load is held transposed (see `transposed`).
-                (Some(p), _) if !p.f32_rows => {
-                    let dense = self.unpacked(&rows)?.as_dtype(Dtype::Float32)?;
-                    x.matmul(dense.t())?
+                (Some(p), Some((s, b))) if !p.f32_rows => {
+                    x.matmul(dequantize_f32(&rows.weight, s, b, p.q)?.t())?
                 }
                 _ => x.matmul(transposed(&self.unpacked(&rows)?)?)?,
-            };
-            // Evaluated now, so that one slice is in memory at a time.
-            part.eval()?;
-            parts.push(part);
-            start = end;
-        }
-        Ok(concatenate(&parts, -1)?)
+            })
+        })
     }
 
     /// The rows `runs` of the table, one run after another.
@@ -202,14 +193,8 @@ impl MappedTable {
     /// Rows as the resident table's lookup returns them.
     fn unpacked(&self, rows: &Rows) -> Result<Array> {
         Ok(match (&self.packing, &rows.packing) {
-            (Some(p), Some((s, b))) => {
-                let dense = dequantize(&rows.weight, s, b, p.q.group_size, p.q.bits)?;
-                if p.f32_rows {
-                    dense.as_dtype(Dtype::Float32)?
-                } else {
-                    dense
-                }
-            }
+            (Some(p), Some((s, b))) if p.f32_rows => dequantize_f32(&rows.weight, s, b, p.q)?,
+            (Some(p), Some((s, b))) => dequantize(&rows.weight, s, b, p.q.group_size, p.q.bits)?,
             _ => rows.weight.clone(),
         })
     }

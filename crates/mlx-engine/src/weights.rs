@@ -10,12 +10,13 @@ use std::sync::Arc;
 
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, dequantize, quantized_matmul};
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Array;
 use mlx_support::{array_from_bytes, Quantization, QuantizationConfig};
 use st_mmap::{SafetensorsSet, TensorView};
 
 use crate::error::{Error, Result};
 use crate::mapped::MappedTable;
+use crate::unpack::dequantize_f32;
 
 /// How to hold quantized weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -321,9 +322,23 @@ impl Packed {
 
     /// The dense matrix in f32, which MLX's CPU backend multiplies with BLAS.
     pub fn dense_f32(&self, weight: &Array) -> Result<Array> {
-        Ok(self
-            .dense_rows(weight, &self.scales, &self.biases)?
-            .as_dtype(Dtype::Float32)?)
+        Ok(dequantize_f32(weight, &self.scales, &self.biases, self.q)?)
+    }
+
+    /// `x · Wᵀ` for the packed `weight`, unpacked to f32 and multiplied a
+    /// slice of rows at a time (see [`in_row_slices`]).
+    fn product_in_slices(&self, x: &Array, weight: &Array) -> Result<Array> {
+        let (rows, dim) = (weight.dim(0) as usize, x.dim(-1) as usize);
+        in_row_slices(rows, dim, |r| {
+            let r = r.start as i32..r.end as i32;
+            let dense = dequantize_f32(
+                &weight.index(r.clone()),
+                &self.scales.index(r.clone()),
+                &self.biases.index(r),
+                self.q,
+            )?;
+            Ok(x.matmul(dense.t())?)
+        })
     }
 
     pub fn quantized_matmul(&self, x: &Array, weight: &Array) -> Result<Array> {
@@ -351,14 +366,7 @@ pub(crate) struct Linear {
 impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.packed {
-            Some(p) if p.dequantize_on_use => {
-                // Evaluated here, so that the dense matrix is freed before
-                // the next one exists: a forward holds one at a time, not
-                // the whole model in f32.
-                let y = x.matmul(p.dense_f32(&self.weight)?.t())?;
-                y.eval()?;
-                y
-            }
+            Some(p) if p.dequantize_on_use => p.product_in_slices(x, &self.weight)?,
             Some(p) => p.quantized_matmul(x, &self.weight)?,
             None => x.matmul(&self.weight)?,
         };
@@ -369,17 +377,47 @@ impl Linear {
     }
 }
 
-/// The f32 bytes of the slice of rows a tied output head is dequantized
-/// (or, mapped, read) in: 16 MiB instead of the whole table, whose f32 form
-/// is 1.5 GiB for Gemma's 262,144 × 1536. The products of the slices are
-/// the columns of the whole product, bit for bit (each output element's
-/// sum runs over the same inputs in the same order).
-const HEAD_SLICE_BYTES: usize = 16 << 20;
+/// The f32 bytes of the slice of rows in which a packed matrix (or a
+/// table's head, mapped) is unpacked for a product.
+const SLICE_BYTES: usize = 16 << 20;
 
-/// Rows of a `dim`-wide table per slice of the head (see
-/// [`HEAD_SLICE_BYTES`]).
-pub(crate) fn head_slice_rows(dim: usize) -> usize {
-    (HEAD_SLICE_BYTES / (4 * dim.max(1))).max(1)
+/// Rows of a `dim`-wide matrix per slice (see [`SLICE_BYTES`]).
+pub(crate) fn slice_rows(dim: usize) -> usize {
+    (SLICE_BYTES / (4 * dim.max(1))).max(1)
+}
+
+/// `x · Wᵀ` for a `(rows, dim)` matrix `W` that is unpacked (or read) a
+/// slice of rows at a time: `part(range)` is the product with those rows,
+/// `(…, range.len())`; each is evaluated before the next slice exists, and
+/// the parts are joined.
+///
+/// Why slices: memory, since one 16 MiB slice is unpacked at a time, not a
+/// whole matrix (Gemma's tied head is 1.5 GiB in f32; E2B's double-wide MLP
+/// matrices 150 MB); and time, since glibc serves blocks under 32 MiB
+/// from heap memory it keeps, but larger ones from fresh pages that the
+/// kernel zeroes every time: at E2B's sizes that was most of a forward's
+/// system time. The parts are the columns of the whole product, bit for bit
+/// (each output element's sum runs over the same inputs in the same order;
+/// tested against the resident f32 head on SmolLM2).
+pub(crate) fn in_row_slices(
+    rows: usize,
+    dim: usize,
+    mut part: impl FnMut(std::ops::Range<usize>) -> Result<Array>,
+) -> Result<Array> {
+    let step = slice_rows(dim);
+    let mut parts = Vec::with_capacity(rows.div_ceil(step));
+    let mut start = 0;
+    while start < rows {
+        let end = (start + step).min(rows);
+        let p = part(start..end)?;
+        p.eval()?;
+        parts.push(p);
+        start = end;
+    }
+    if parts.len() == 1 {
+        return Ok(parts.swap_remove(0));
+    }
+    Ok(concatenate(&parts, -1)?)
 }
 
 /// A token embedding table.
@@ -419,30 +457,7 @@ impl Embedding {
                 packed.quantized_matmul(x, weight)?
             }
             Embedding::Mapped(table) => table.as_linear(x)?,
-            Embedding::Packed { weight, packed } => {
-                // The whole table in f32 would be as large as an f32
-                // model's embedding; a slice at a time is enough.
-                let vocab = weight.dim(0);
-                let rows = head_slice_rows(x.dim(-1) as usize) as i32;
-                let mut parts = Vec::new();
-                let mut start = 0;
-                while start < vocab {
-                    let end = (start + rows).min(vocab);
-                    let rows = packed
-                        .dense_rows(
-                            &weight.index(start..end),
-                            &packed.scales.index(start..end),
-                            &packed.biases.index(start..end),
-                        )?
-                        .as_dtype(Dtype::Float32)?;
-                    let part = x.matmul(rows.t())?;
-                    // One slice in f32 at a time (see `Linear::forward`).
-                    part.eval()?;
-                    parts.push(part);
-                    start = end;
-                }
-                concatenate(&parts, -1)?
-            }
+            Embedding::Packed { weight, packed } => packed.product_in_slices(x, weight)?,
         })
     }
 }
@@ -462,10 +477,10 @@ mod tests {
     }
 
     #[test]
-    fn head_slices_hold_16_mib_of_f32_rows_and_at_least_one_row() {
-        assert_eq!(head_slice_rows(1536), 2730);
-        assert_eq!(head_slice_rows(576), 7281);
-        assert_eq!(head_slice_rows(8 << 20), 1);
-        assert_eq!(head_slice_rows(0), 4 << 20);
+    fn slices_hold_16_mib_of_f32_rows_and_at_least_one_row() {
+        assert_eq!(slice_rows(1536), 2730);
+        assert_eq!(slice_rows(576), 7281);
+        assert_eq!(slice_rows(8 << 20), 1);
+        assert_eq!(slice_rows(0), 4 << 20);
     }
 }
