@@ -1,22 +1,30 @@
 //! The engine against mlx_lm's `batch_generate` (`cargo xtask bench engine`):
 //! conversations sharing a system prompt, user messages of 20–120 tokens,
-//! on SmolLM2-135M (a ~200-token prompt) and Gemma 3 270M (a ~700-token
+//! on SmolLM2-135M (a ~200-token prompt), Gemma 3 270M (a ~700-token
 //! prompt, longer than its 512-token sliding window; classification), the
-//! fixtures `cargo xtask fixtures` imports, each configuration in a fresh
-//! process for its peak RSS. The `mlx_lm` row does
+//! fixtures `cargo xtask fixtures` imports, and a Gemma 4 with E2B's shapes
+//! and random 4-bit weights that the benchmark makes (`gemma4_e2b`; what
+//! cc-sentiment runs: a ~700-token prompt, classification at batch 2), each
+//! configuration in a fresh process for its peak RSS. The `mlx_lm` row does
 //! what the original engine does (conversations sorted by length, one
 //! `batch_generate` call per chunk of the batch size, the prefix cache
 //! deep-copied per conversation); the `mlx_lm one call` row hands them all
 //! to one call, as this benchmark did before.
 //!
-//! Arguments: `--models smollm2,gemma3`, and to override each model's own
-//! settings `--conversations N` (256; Gemma 64), `--batches 1,8,32` (Gemma
-//! 2,8,32), `--max-tokens 1,32` (Gemma 1), `--variants f32,q4`.
+//! Arguments: `--models smollm2,gemma3,gemma4-e2b`, and to override each
+//! model's own settings `--conversations N` (256; Gemma 3 64, its 4-bit
+//! runs 8; E2B 8), `--mlx-lm-conversations N` for mlx_lm's side alone
+//! (E2B's 4-bit runs 1; 0 skips it), `--batches 1,8,32` (Gemma 3
+//! 2,8,32; E2B 2,8), `--max-tokens 1,32` (Gemma 1), `--variants f32,q4`,
+//! `--memory resident,mapped` (ours with the embedding tables resident or
+//! left in the files; Gemma 3 resident only).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use mlx_engine::{EngineConfig, GenerateOptions, Message, MlxEngine};
+use mlx_engine::{EngineConfig, GenerateOptions, MemoryMode, Message, MlxEngine};
+
+mod gemma4_e2b;
 
 fn words(seed: usize, n: usize) -> String {
     const WORDS: [&str; 16] = [
@@ -66,7 +74,7 @@ fn child(
     system_words: usize,
     batch: usize,
     max_tokens: usize,
-    f32_at_load: bool,
+    options: &str,
 ) {
     // What an application running the engine on glibc should do (see its
     // docs). mlx_lm's runs keep the allocator's defaults: it was measured
@@ -77,9 +85,17 @@ fn child(
         .prefix_messages(convs[0][..1].to_vec())
         .batch_size(batch)
         .worker_name("bench");
-    if f32_at_load {
+    let options: Vec<&str> = options.split(',').collect();
+    if options.contains(&"f32-at-load") {
         config = config.quantized(mlx_engine::QuantizedWeights::DequantizeF32);
     }
+    // Set either way, so that the rows do not depend on the machine's
+    // memory (the engine's default does).
+    config = config.memory(if options.contains(&"mapped") {
+        MemoryMode::MappedTables
+    } else {
+        MemoryMode::Resident
+    });
     let engine = MlxEngine::new(config).unwrap();
     engine.ensure_loaded().unwrap();
     let s = engine
@@ -120,6 +136,7 @@ impl LinearWork {
     fn read(dir: &Path) -> Option<LinearWork> {
         let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
         let c: serde_json::Value = serde_json::from_str(&text).ok()?;
+        let c = c.get("text_config").unwrap_or(&c);
         let get = |k: &str| c.get(k).and_then(serde_json::Value::as_f64);
         let (h, i, layers) = (
             get("hidden_size")?,
@@ -128,11 +145,32 @@ impl LinearWork {
         );
         let heads = get("num_attention_heads")?;
         let head_dim = get("head_dim").unwrap_or(h / heads);
-        let kv = get("num_key_value_heads").unwrap_or(heads) * head_dim;
-        let q = heads * head_dim;
-        let attention = h * (q + 2.0 * kv) + q * h;
+        let kv_heads = get("num_key_value_heads").unwrap_or(heads);
+        // Gemma 4: wider heads on full-attention layers, no key/value
+        // projections and a double-wide MLP on the KV-shared layers, and
+        // the per-layer input embeddings' gate and projection.
+        let types = c.get("layer_types").and_then(serde_json::Value::as_array);
+        let shared = get("num_kv_shared_layers").unwrap_or(0.0);
+        let double_wide = c.get("use_double_wide_mlp") == Some(&serde_json::Value::Bool(true));
+        let per_layer = get("hidden_size_per_layer_input").unwrap_or(0.0);
+        let mut per_token = 0.0;
+        for layer in 0..layers as usize {
+            let full = types
+                .and_then(|t| t.get(layer))
+                .is_some_and(|t| t == "full_attention");
+            let hd = match get("global_head_dim") {
+                Some(global) if full => global,
+                _ => head_dim,
+            };
+            let is_shared = (layer as f64) >= layers - shared;
+            let q = heads * hd;
+            let kv = if is_shared { 0.0 } else { 2.0 * kv_heads * hd };
+            let inter = if is_shared && double_wide { 2.0 * i } else { i };
+            per_token += 2.0 * (h * (q + kv) + q * h + 3.0 * h * inter + 2.0 * h * per_layer);
+        }
+        per_token += 2.0 * h * layers * per_layer;
         Some(LinearWork {
-            per_token: 2.0 * layers * (attention + 3.0 * h * i),
+            per_token,
             head: 2.0 * h * get("vocab_size")?,
             hidden: h as i32,
             intermediate: i as i32,
@@ -207,7 +245,7 @@ fn main() {
             args[3].parse().unwrap(),
             args[4].parse().unwrap(),
             args[5].parse().unwrap(),
-            args.get(6).is_some_and(|a| a == "f32-at-load"),
+            args.get(6).map_or("", String::as_str),
         );
         return;
     }
@@ -219,9 +257,9 @@ fn main() {
         std::env::var("OPENBLAS_CORETYPE").unwrap_or_else(|_| "unset".into())
     );
     let python = std::env::var("MLX_LOWMEM_PYTHON").ok();
-    for name in list(&args, "--models", "smollm2,gemma3") {
+    for name in list(&args, "--models", "smollm2,gemma3,gemma4-e2b") {
         let Some(bench) = ModelBench::named(&name) else {
-            println!("unknown model {name:?}: smollm2 or gemma3");
+            println!("unknown model {name:?}: smollm2, gemma3 or gemma4-e2b");
             continue;
         };
         let Some(fixture) = std::env::var_os(bench.fixture_var).map(PathBuf::from) else {
@@ -240,12 +278,23 @@ struct ModelBench {
     name: &'static str,
     /// The environment variable naming the fixture folder (`f32/`, `q4/`).
     fixture_var: &'static str,
+    /// Makes the model folder (`f32/`, `q4/`) from the fixture, when the
+    /// fixture is not the model itself.
+    make: Option<fn(&Path) -> anyhow::Result<PathBuf>>,
+    variants: &'static str,
     /// Words of the shared system prompt.
     system_words: usize,
     conversations: &'static str,
     /// Conversations of the 4-bit runs, where MLX's CPU quantized product
     /// makes mlx_lm's side very slow.
     q4_conversations: &'static str,
+    /// Fewer still for mlx_lm's side of the 4-bit runs, where even a few
+    /// conversations take minutes; `0`: not run unless asked for.
+    q4_python_conversations: Option<&'static str>,
+    /// Also run ours with the 4-bit weights dequantized at load.
+    q4_f32_at_load: bool,
+    /// Where ours keeps the weights: `resident`, `mapped` (tables).
+    memory: &'static str,
     batches: &'static str,
     max_tokens: &'static str,
     /// mlx_lm's modes: the original's (a call per chunk) and, where cheap
@@ -269,9 +318,14 @@ impl ModelBench {
             "smollm2" => Some(ModelBench {
                 name: "SmolLM2-135M",
                 fixture_var: "MLX_LOWMEM_SMOLLM2",
+                make: None,
+                variants: "f32,q4",
                 system_words: 170,
                 conversations: "256",
                 q4_conversations: "256",
+                q4_python_conversations: None,
+                q4_f32_at_load: true,
+                memory: "resident,mapped",
                 batches: "1,8,32",
                 max_tokens: "1,32",
                 modes: &[("per-chunk", "mlx_lm"), ("one-call", "mlx_lm one call")],
@@ -283,10 +337,37 @@ impl ModelBench {
             "gemma3" => Some(ModelBench {
                 name: "Gemma 3 270M",
                 fixture_var: "MLX_LOWMEM_GEMMA3",
+                make: None,
+                variants: "f32,q4",
                 system_words: 650,
                 conversations: "64",
                 q4_conversations: "8",
+                q4_python_conversations: None,
+                q4_f32_at_load: true,
+                memory: "resident",
                 batches: "2,8,32",
+                max_tokens: "1",
+                modes: &[("per-chunk", "mlx_lm")],
+                chat_template: Some(GEMMA_TURNS),
+            }),
+            // Gemma 4 E2B's shapes with random 4-bit weights (see
+            // `gemma4_e2b`), as cc-sentiment runs it: a ~700-token system
+            // prompt, classification at batch 2, and at 8. `f32` is the
+            // copy with the decoder's matrices in f32.
+            "gemma4-e2b" => Some(ModelBench {
+                name: "Gemma 4 E2B-shaped (random weights)",
+                fixture_var: "MLX_LOWMEM_GEMMA3",
+                make: Some(|gemma3| gemma4_e2b::ensure(&gemma3.join("f32"))),
+                variants: "q4,f32",
+                system_words: 650,
+                conversations: "8",
+                q4_conversations: "8",
+                // One conversation takes mlx_lm minutes through MLX's CPU
+                // quantized product (docs/mlx-engine.md).
+                q4_python_conversations: Some("1"),
+                q4_f32_at_load: false,
+                memory: "resident,mapped",
+                batches: "2,8",
                 max_tokens: "1",
                 modes: &[("per-chunk", "mlx_lm")],
                 chat_template: Some(GEMMA_TURNS),
@@ -323,21 +404,52 @@ impl ModelBench {
     }
 
     fn run(&self, fixture: &Path, args: &[String], python: Option<&str>) {
+        let made;
+        let fixture = match self.make {
+            Some(make) => match make(fixture) {
+                Ok(dir) => {
+                    made = dir;
+                    made.as_path()
+                }
+                Err(e) => {
+                    println!("{}: could not make the model: {e:#}", self.name);
+                    return;
+                }
+            },
+            None => fixture,
+        };
         let work = LinearWork::read(&fixture.join("f32"));
         let gemm = work.as_ref().map(gemm_rate);
         let temp = tempfile::tempdir().unwrap();
-        for variant in list(args, "--variants", "f32,q4") {
-            let default_n = match variant.as_str() {
-                "q4" => self.q4_conversations,
-                _ => self.conversations,
+        for variant in list(args, "--variants", self.variants) {
+            let (default_n, default_python_n) = match variant.as_str() {
+                "q4" => (
+                    self.q4_conversations,
+                    self.q4_python_conversations
+                        .unwrap_or(self.q4_conversations),
+                ),
+                _ => (self.conversations, self.conversations),
             };
             let n: usize = list(args, "--conversations", default_n)[0].parse().unwrap();
+            let default_python_n = list(args, "--conversations", default_python_n);
+            let python_n: usize = list(args, "--mlx-lm-conversations", &default_python_n[0])[0]
+                .parse()
+                .unwrap();
+            let python = match python {
+                Some(_) if python_n == 0 => {
+                    println!("(mlx_lm not run: --mlx-lm-conversations 0)");
+                    None
+                }
+                other => other,
+            };
             println!(
-                "\n{} {variant}: {n} conversations, a {}-word shared system prompt",
+                "\n{} {variant}: {n} conversations ({python_n} for mlx_lm), a {}-word shared system prompt",
                 self.name, self.system_words
             );
-            let convs_path = temp.path().join(format!("conversations-{n}.json"));
-            let json: Vec<Vec<serde_json::Value>> = conversations(n, self.system_words)
+            // mlx_lm's side reads its conversations from a file; ours makes
+            // the same ones (the first `n` of one list).
+            let convs_path = temp.path().join(format!("conversations-{python_n}.json"));
+            let json: Vec<Vec<serde_json::Value>> = conversations(python_n, self.system_words)
                 .iter()
                 .map(|c| {
                     c.iter()
@@ -372,15 +484,25 @@ impl ModelBench {
         work: Option<(&LinearWork, f64)>,
     ) {
         let dir = self.folder(fixture, variant, temp);
-        // Ours as configured by default and, for a quantized model, also
+        // Ours as configured by default, resident and with the embedding
+        // tables left in the files, and, for a quantized model, also
         // dequantized at load (faster on the CPU, at an f32 model's memory).
-        let ours_modes: &[(&str, &str)] = match variant {
-            "q4" => &[("", "ours  "), ("f32-at-load", "ours, f32 at load")],
-            _ => &[("", "ours  ")],
-        };
+        let mut ours_modes: Vec<(&str, &str)> = Vec::new();
+        for memory in list(args, "--memory", self.memory) {
+            match memory.as_str() {
+                "resident" => {
+                    ours_modes.push(("", "ours  "));
+                    if variant == "q4" && self.q4_f32_at_load {
+                        ours_modes.push(("f32-at-load", "ours, f32 at load"));
+                    }
+                }
+                "mapped" => ours_modes.push(("mapped", "ours, tables mapped")),
+                other => println!("unknown --memory {other:?}: resident or mapped"),
+            }
+        }
         for max_tokens in list(args, "--max-tokens", self.max_tokens) {
             for batch in list(args, "--batches", self.batches) {
-                for &(flag, label) in ours_modes {
+                for &(flag, label) in &ours_modes {
                     let exe = std::env::current_exe().unwrap();
                     let ours = Command::new(exe)
                         .args(["child"])
