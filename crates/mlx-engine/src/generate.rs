@@ -208,29 +208,37 @@ pub(crate) fn generate_batch(
     Ok(Generation { texts, stats })
 }
 
-/// Rows of a chunk whose padding to the longest stays under an eighth of
-/// their tokens are prefilled together; the chunk's rows come sorted by
-/// length, so neighbours form the groups. Prefilling a chunk as one block
-/// pads every row to the chunk's longest: a quarter or more of the work at
-/// batch 32 with suffixes of 20 to 120 tokens.
-fn prefill_groups(lengths: &[usize]) -> Vec<std::ops::Range<usize>> {
+/// Splits a chunk's rows (sorted by length) into groups of neighbours to
+/// prefill together, at the least estimated cost: a group costs one pass
+/// over the model's weights, worth `pass_cost` tokens of work (see
+/// [`Model::pass_cost_tokens`]), plus its rows times its longest row, in
+/// tokens (padding computed as if it were real). Prefilling a chunk as one
+/// block pads every row to the chunk's longest (a quarter or more of the
+/// work at batch 32 with suffixes of 20 to 120 tokens); prefilling each row
+/// alone repeats the pass over the weights per row, which is what a large
+/// model's forward mostly is. Ties go to fewer groups.
+fn prefill_groups(lengths: &[usize], pass_cost: usize) -> Vec<std::ops::Range<usize>> {
+    let n = lengths.len();
+    // best[i]: the least cost of the first i rows, and where its last
+    // group starts.
+    let mut best: Vec<(usize, usize)> = vec![(0, 0); n + 1];
+    for i in 1..=n {
+        best[i] = (0..i)
+            .map(|j| {
+                let longest = lengths[j..i].iter().copied().max().unwrap_or(0);
+                (best[j].0 + pass_cost + (i - j) * longest, j)
+            })
+            .min_by_key(|&(cost, j)| (cost, j))
+            .unwrap_or((0, 0));
+    }
     let mut groups = Vec::new();
-    let mut start = 0;
-    let (mut longest, mut tokens) = (0, 0);
-    for (i, &len) in lengths.iter().enumerate() {
-        let (l, t) = (longest.max(len), tokens + len);
-        let padding = l * (i + 1 - start) - t;
-        if i > start && padding * 8 > t {
-            groups.push(start..i);
-            start = i;
-            (longest, tokens) = (len, len);
-        } else {
-            (longest, tokens) = (l, t);
-        }
+    let mut end = n;
+    while end > 0 {
+        let start = best[end].1;
+        groups.push(start..end);
+        end = start;
     }
-    if start < lengths.len() {
-        groups.push(start..lengths.len());
-    }
+    groups.reverse();
     groups
 }
 
@@ -249,7 +257,7 @@ fn generate_chunk(
     let mut parts = Vec::new();
     let mut lasts = Vec::new();
     let prefill_span = tracing::debug_span!("prefill", rows = b).entered();
-    for group in prefill_groups(&lengths) {
+    for group in prefill_groups(&lengths, model.pass_cost_tokens()) {
         let (cache, last) = prefill(model, &state.prefix_cache, &rows[group])?;
         parts.push(cache);
         lasts.push(last);
@@ -350,16 +358,22 @@ mod tests {
     use super::prefill_groups;
 
     #[test]
-    fn rows_of_similar_length_are_prefilled_together() {
-        assert!(prefill_groups(&[]).is_empty());
-        assert_eq!(prefill_groups(&[5]), vec![0..1]);
-        // Padding 6 of 86 tokens: under an eighth, one group.
-        assert_eq!(prefill_groups(&[20, 21, 22, 23]), vec![0..4]);
-        // 100 after 20 would pad 80 of 120 tokens.
-        assert_eq!(prefill_groups(&[20, 100]), vec![0..1, 1..2]);
+    fn rows_are_grouped_at_the_least_cost_of_passes_and_padding() {
+        assert!(prefill_groups(&[], 40).is_empty());
+        assert_eq!(prefill_groups(&[5], 40), vec![0..1]);
+        // Padding 6 tokens is cheaper than a second pass.
+        assert_eq!(prefill_groups(&[20, 21, 22, 23], 40), vec![0..4]);
+        // 100 after 20 would pad 80: more than a pass of 40, not of 400.
+        assert_eq!(prefill_groups(&[20, 100], 40), vec![0..1, 1..2]);
+        assert_eq!(prefill_groups(&[20, 100], 400), vec![0..2]);
+        // Three passes + 2·21 + 2·64 + 100 = 390, against 0..2, 2..5: 422,
+        // 0..4, 4..5: 436, and one group: 540.
         assert_eq!(
-            prefill_groups(&[20, 21, 60, 64, 100]),
+            prefill_groups(&[20, 21, 60, 64, 100], 40),
             vec![0..2, 2..4, 4..5]
         );
+        assert_eq!(prefill_groups(&[20, 21, 60, 64, 100], 400), vec![0..5]);
+        // Free passes: every row alone.
+        assert_eq!(prefill_groups(&[1, 2, 3], 0), vec![0..1, 1..2, 2..3]);
     }
 }

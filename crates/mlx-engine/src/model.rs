@@ -27,6 +27,7 @@ enum Decoder {
 pub struct Model {
     config: ModelConfig,
     decoder: Decoder,
+    pass_cost_tokens: usize,
 }
 
 impl std::fmt::Debug for Model {
@@ -76,7 +77,27 @@ impl Model {
             Some(spec) => Decoder::Gemma(Gemma::load(&config, spec, &w)?),
             None => Decoder::Llama(Llama::load(&config, &w)?),
         };
-        Ok(Model { config, decoder })
+        // A pass over f32 weights streams 4 bytes per parameter (~10 GB/s
+        // here) where a token's products do 2 FLOPs per parameter (~200
+        // GFLOP/s): about 40 tokens' worth. Unpacking a packed parameter to
+        // f32 before each product (~250 M/s) is worth about 400.
+        let unpacks = quantized == QuantizedWeights::DequantizeOnUse
+            && config.quantization != mlx_support::QuantizationConfig::none();
+        let pass_cost_tokens = if unpacks { 400 } else { 40 };
+        Ok(Model {
+            config,
+            decoder,
+            pass_cost_tokens,
+        })
+    }
+
+    /// What one forward's pass over the weights costs beside the products
+    /// of its tokens, in tokens of products: a rough figure for the CPU
+    /// backend (memory bandwidth and GEMM rate of the project's machine),
+    /// with which batched prefill weighs padding rows to a common length
+    /// against running them in separate forwards.
+    pub fn pass_cost_tokens(&self) -> usize {
+        self.pass_cost_tokens
     }
 
     /// The model's configuration.
