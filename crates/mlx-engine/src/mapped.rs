@@ -95,9 +95,13 @@ impl MappedTable {
 
     /// The rows of `tokens` `(B, L)`: `(B, L, dim)`.
     pub fn lookup(&self, tokens: &Array) -> Result<Array> {
-        let ids = tokens.as_dtype(Dtype::Int32)?;
+        // A prefill piece is a column slice of the padded block: copied
+        // into a contiguous array before its ids are read.
+        let ids = tokens.as_dtype(Dtype::Int32)?.contiguous()?;
         ids.eval()?;
-        let ids: &[i32] = ids.as_slice();
+        let ids: &[i32] = ids
+            .try_as_slice()
+            .map_err(|e| mlx_rs::error::Exception::custom(format!("token ids: {e:?}")))?;
         // Each distinct token read once, consecutive ones in one read.
         let mut distinct = ids.to_vec();
         distinct.sort_unstable();
