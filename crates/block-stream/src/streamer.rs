@@ -242,6 +242,50 @@ impl BlockStreamer {
         Ok(())
     }
 
+    /// Block `idx`'s weights, LoRA fused, as `(param, array)` pairs sorted
+    /// by parameter name (relative to the block): what [`bind`](Self::bind)
+    /// puts into a module, for callers that hold a block's weights in their
+    /// own structures instead.
+    ///
+    /// Without LoRA for this block the arrays are MLX's lazy loads: nothing
+    /// is read until they are evaluated, and then each tensor is read once
+    /// into the buffer the array keeps, which dies with the caller's last
+    /// reference. The fuser needs the whole block, so with LoRA the result
+    /// is the fuser's (its own arrays, lazy or not). With prefetch on, the
+    /// next block's bytes are read ahead as in `bind`.
+    ///
+    /// `lora_sources` are fused by the streamer's fuser (an error without
+    /// one); sources without LoRA for this block are skipped.
+    pub fn block_weights(
+        &mut self,
+        idx: usize,
+        lora_sources: &[&BlockLoraSource],
+    ) -> Result<Vec<(String, Array)>> {
+        let params = self.params(idx)?.clone();
+        if !lora_sources.is_empty() && self.fuser.is_none() {
+            return Err(Error::NoFuser);
+        }
+        let with_lora: Vec<&BlockLoraSource> = lora_sources
+            .iter()
+            .copied()
+            .filter(|s| s.has_block(idx))
+            .collect();
+        let mut weights = Vec::with_capacity(params.len());
+        for (param, key) in &params {
+            weights.push((param.clone(), self.array(key)?));
+        }
+        if let (Some(fuser), false) = (&self.fuser, with_lora.is_empty()) {
+            weights = fuser.fuse(idx, weights, &with_lora)?;
+        }
+        if self.prefetch {
+            let next = self.index.blocks().find(|&b| b > idx);
+            if let Some(next) = next {
+                self.prefetch(next)?;
+            }
+        }
+        Ok(weights)
+    }
+
     /// Binds block `idx`'s weights into `block`'s parameters.
     ///
     /// Strict: the block's parameters (after LoRA fusion) and the module's
@@ -263,66 +307,24 @@ impl BlockStreamer {
     ) -> Result<()> {
         let _span =
             tracing::debug_span!("bind", block = idx, lora_sources = lora_sources.len()).entered();
-        let params = self.params(idx)?.clone();
-        if !lora_sources.is_empty() && self.fuser.is_none() {
-            return Err(Error::NoFuser);
-        }
-        let with_lora: Vec<&BlockLoraSource> = lora_sources
+        // All of the block's arrays are made (lazy loads: nothing of the new
+        // block is read before the old one is replaced) and checked before
+        // any is assigned, so that an error changes nothing.
+        let weights = self.block_weights(idx, lora_sources)?;
+        let expected = weights
             .iter()
-            .copied()
-            .filter(|s| s.has_block(idx))
+            .map(|(n, a)| (n.clone(), a.shape().to_vec(), a.dtype()))
             .collect();
-        match (&self.fuser, with_lora.is_empty()) {
-            (Some(_), false) => {
-                // The fuser needs the whole block at once.
-                let mut weights = Vec::with_capacity(params.len());
-                for (param, key) in &params {
-                    weights.push((param.clone(), self.array(key)?));
-                }
-                let fuser = self.fuser.as_ref().expect("matched Some");
-                let weights = fuser.fuse(idx, weights, &with_lora)?;
-                let expected = weights
-                    .iter()
-                    .map(|(n, a)| (n.clone(), a.shape().to_vec(), a.dtype()))
-                    .collect();
-                check_against(block, idx, expected)?;
-                let mut slots = block.parameters_mut().flatten();
-                for (name, array) in weights {
-                    **slots.get_mut(name.as_str()).expect("checked") = array;
-                }
-            }
-            _ => {
-                // Checked from the headers, then all made before any is
-                // assigned, so that an error changes nothing. They are lazy
-                // loads: nothing of the new block is read before the old one
-                // is replaced.
-                let expected = params
-                    .iter()
-                    .map(|(param, key)| self.expected(param, key))
-                    .collect::<Result<_>>()?;
-                check_against(block, idx, expected)?;
-                let arrays = params
-                    .iter()
-                    .map(|(param, key)| Ok((param, self.array(key)?)))
-                    .collect::<Result<Vec<_>>>()?;
-                let mut slots = block.parameters_mut().flatten();
-                for (param, array) in arrays {
-                    **slots.get_mut(param.as_str()).expect("checked") = array;
-                }
-            }
+        check_against(block, idx, expected)?;
+        let mut slots = block.parameters_mut().flatten();
+        for (name, array) in weights {
+            **slots.get_mut(name.as_str()).expect("checked") = array;
         }
         if self.clear_cache && mlx_rs::memory::cache_memory()? > self.block_bytes(idx)? {
             // The replaced block's buffers are in MLX's cache; the new
             // block's reads will reuse as many bytes as it has, and what is
             // beyond that would only sit there.
             mlx_rs::memory::clear_cache()?;
-        }
-
-        if self.prefetch {
-            let next = self.index.blocks().find(|&b| b > idx);
-            if let Some(next) = next {
-                self.prefetch(next)?;
-            }
         }
         Ok(())
     }

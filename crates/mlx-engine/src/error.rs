@@ -41,6 +41,14 @@ pub enum Error {
     /// A weights file is invalid.
     #[error(transparent)]
     Safetensors(#[from] st_mmap::Error),
+
+    /// Streaming a decoder layer's weights failed
+    /// ([`MemoryMode::Streamed`](crate::MemoryMode::Streamed)).
+    #[error("{dir}: streaming a layer: {source}")]
+    Stream {
+        dir: PathBuf,
+        source: block_stream::Error,
+    },
     /// A tensor could not become an MLX array.
     #[error(transparent)]
     Tensor(#[from] mlx_support::Error),

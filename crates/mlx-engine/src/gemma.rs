@@ -13,6 +13,7 @@
 use mlx_rs::fast;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{clip, tanh};
+use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 
 use crate::attention::attention;
@@ -20,6 +21,7 @@ use crate::cache::{KvCache, LayerMask};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gemma_config::{GemmaSpec, Version};
+use crate::layers::Layers;
 use crate::rope::Positions;
 use crate::weights::{Embedding, Linear, Weights};
 
@@ -90,6 +92,89 @@ struct Layer {
     freqs: Option<Array>,
 }
 
+/// What building one layer needs besides its weights.
+struct LayerContext<'a> {
+    config: &'a ModelConfig,
+    spec: &'a GemmaSpec,
+    /// The text decoder's key prefix (see [`KeyPrefixes`]).
+    text: &'a str,
+    with_per_layer_input: bool,
+}
+
+impl Layer {
+    fn load(cx: &LayerContext<'_>, w: &Weights<'_>, i: usize) -> Result<Layer> {
+        let (config, spec) = (cx.config, cx.spec);
+        let hidden = config.hidden_size;
+        let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
+        let four = spec.version == Version::Four;
+        let norm = |key: &str, len: usize| norm(w, spec.version, key, len);
+        let layer = &spec.layers[i];
+        let lp = format!("{}layers.{i}", cx.text);
+        let hd = layer.head_dim;
+        let kv = if layer.owns_kv(i) {
+            Some((
+                w.linear(&format!("{lp}.self_attn.k_proj"), hidden, kv_heads * hd)?,
+                w.linear(&format!("{lp}.self_attn.v_proj"), hidden, kv_heads * hd)?,
+                norm(&format!("{lp}.self_attn.k_norm.weight"), hd)?,
+            ))
+        } else {
+            // A KV-shared layer: checkpoints from mlx_lm 0.31.3 still
+            // carry unused k/v weights here, which are never read.
+            None
+        };
+        let inter = layer.intermediate;
+        let ple = spec.per_layer_dim;
+        let per_layer_input = if cx.with_per_layer_input {
+            Some(PerLayerInput {
+                gate: w.linear(&format!("{lp}.per_layer_input_gate"), hidden, ple)?,
+                projection: w.linear(&format!("{lp}.per_layer_projection"), ple, hidden)?,
+                norm: norm(&format!("{lp}.post_per_layer_input_norm.weight"), hidden)?,
+            })
+        } else {
+            None
+        };
+        Ok(Layer {
+            attention: Attention {
+                q: w.linear(&format!("{lp}.self_attn.q_proj"), hidden, heads * hd)?,
+                kv,
+                o: w.linear(&format!("{lp}.self_attn.o_proj"), heads * hd, hidden)?,
+                q_norm: norm(&format!("{lp}.self_attn.q_norm.weight"), hd)?,
+            },
+            gate: w.linear(&format!("{lp}.mlp.gate_proj"), hidden, inter)?,
+            up: w.linear(&format!("{lp}.mlp.up_proj"), hidden, inter)?,
+            down: w.linear(&format!("{lp}.mlp.down_proj"), inter, hidden)?,
+            input_norm: norm(&format!("{lp}.input_layernorm.weight"), hidden)?,
+            post_attention_norm: norm(&format!("{lp}.post_attention_layernorm.weight"), hidden)?,
+            pre_feedforward_norm: norm(&format!("{lp}.pre_feedforward_layernorm.weight"), hidden)?,
+            post_feedforward_norm: norm(
+                &format!("{lp}.post_feedforward_layernorm.weight"),
+                hidden,
+            )?,
+            per_layer_input,
+            scalar: if four {
+                Some(w.array(&format!("{lp}.layer_scalar"), &[1])?)
+            } else {
+                None
+            },
+            freqs: layer
+                .rope
+                .freqs
+                .as_ref()
+                .map(|f| Array::from_slice(f, &[f.len() as i32])),
+        })
+    }
+}
+
+/// A norm's weight; Gemma 3 scales by (1 + w), and adding the one at load
+/// gives the same values mlx_lm computes at each call.
+fn norm(w: &Weights<'_>, version: Version, key: &str, len: usize) -> Result<Array> {
+    let weight = w.vector(key, len)?;
+    Ok(match version {
+        Version::Four => weight,
+        Version::Three => weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?,
+    })
+}
+
 /// Gemma 4's per-layer embeddings: a table gathered per token and a
 /// projection of the embedding, both `(B, L, layers · width)`.
 struct PerLayerInputs {
@@ -103,7 +188,7 @@ pub(crate) struct Gemma {
     spec: GemmaSpec,
     embed: Embedding,
     per_layer: Option<PerLayerInputs>,
-    layers: Vec<Layer>,
+    layers: Layers<Layer>,
     norm: Array,
     lm_head: Option<Linear>,
 }
@@ -113,19 +198,9 @@ impl Gemma {
         let prefixes = KeyPrefixes::find(spec, w)?;
         let p = &prefixes.text;
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
-        let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
         let n = config.num_hidden_layers;
         let four = spec.version == Version::Four;
-        // Gemma 3 scales by (1 + w); adding the one at load gives the same
-        // values mlx_lm computes at each call.
-        let norm = |key: &str, len: usize| -> Result<Array> {
-            let weight = w.vector(key, len)?;
-            Ok(if four {
-                weight
-            } else {
-                weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?
-            })
-        };
+        let norm = |key: &str, len: usize| norm(w, spec.version, key, len);
         let untied = w.has(&format!("{}.weight", prefixes.head));
         let tied = match spec.version {
             // mlx_lm ties Gemma 3's head whenever the files have none.
@@ -148,67 +223,17 @@ impl Gemma {
         } else {
             None
         };
-        let mut layers = Vec::with_capacity(n);
-        for (i, layer) in spec.layers.iter().enumerate() {
-            let lp = format!("{p}layers.{i}");
-            let hd = layer.head_dim;
-            let kv = if layer.owns_kv(i) {
-                Some((
-                    w.linear(&format!("{lp}.self_attn.k_proj"), hidden, kv_heads * hd)?,
-                    w.linear(&format!("{lp}.self_attn.v_proj"), hidden, kv_heads * hd)?,
-                    norm(&format!("{lp}.self_attn.k_norm.weight"), hd)?,
-                ))
-            } else {
-                // A KV-shared layer: checkpoints from mlx_lm 0.31.3 still
-                // carry unused k/v weights here, which are never read.
-                None
+        let (layer_config, layer_spec, text) = (config.clone(), spec.clone(), p.clone());
+        let with_per_layer_input = per_layer.is_some();
+        let layers = Layers::load(w, &format!("{p}layers."), n, move |w, i| {
+            let context = LayerContext {
+                config: &layer_config,
+                spec: &layer_spec,
+                text: &text,
+                with_per_layer_input,
             };
-            let inter = layer.intermediate;
-            let per_layer_input = if per_layer.is_some() {
-                Some(PerLayerInput {
-                    gate: w.linear(&format!("{lp}.per_layer_input_gate"), hidden, ple)?,
-                    projection: w.linear(&format!("{lp}.per_layer_projection"), ple, hidden)?,
-                    norm: norm(&format!("{lp}.post_per_layer_input_norm.weight"), hidden)?,
-                })
-            } else {
-                None
-            };
-            layers.push(Layer {
-                attention: Attention {
-                    q: w.linear(&format!("{lp}.self_attn.q_proj"), hidden, heads * hd)?,
-                    kv,
-                    o: w.linear(&format!("{lp}.self_attn.o_proj"), heads * hd, hidden)?,
-                    q_norm: norm(&format!("{lp}.self_attn.q_norm.weight"), hd)?,
-                },
-                gate: w.linear(&format!("{lp}.mlp.gate_proj"), hidden, inter)?,
-                up: w.linear(&format!("{lp}.mlp.up_proj"), hidden, inter)?,
-                down: w.linear(&format!("{lp}.mlp.down_proj"), inter, hidden)?,
-                input_norm: norm(&format!("{lp}.input_layernorm.weight"), hidden)?,
-                post_attention_norm: norm(
-                    &format!("{lp}.post_attention_layernorm.weight"),
-                    hidden,
-                )?,
-                pre_feedforward_norm: norm(
-                    &format!("{lp}.pre_feedforward_layernorm.weight"),
-                    hidden,
-                )?,
-                post_feedforward_norm: norm(
-                    &format!("{lp}.post_feedforward_layernorm.weight"),
-                    hidden,
-                )?,
-                per_layer_input,
-                scalar: if four {
-                    Some(w.array(&format!("{lp}.layer_scalar"), &[1])?)
-                } else {
-                    None
-                },
-                freqs: layer
-                    .rope
-                    .freqs
-                    .as_ref()
-                    .map(|f| Array::from_slice(f, &[f.len() as i32])),
-            });
-        }
+            Layer::load(&context, w, i)
+        })?;
         let final_norm = norm(&format!("{p}norm.weight"), hidden)?;
         let lm_head = if tied {
             None
@@ -285,7 +310,8 @@ impl Gemma {
         let heads = c.num_attention_heads as i32;
         let kv_heads = c.kv_heads() as i32;
         let mut kvs: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
-        for (i, (layer, s)) in self.layers.iter().zip(&spec.layers).enumerate() {
+        for (i, s) in spec.layers.iter().enumerate().take(self.layers.len()) {
+            let layer = self.layers.get(i)?;
             let hd = s.head_dim as i32;
             let mask = if s.sliding { &sliding_mask } else { &full_mask };
             let mask = mask.as_ref().expect("made for every type present");
@@ -373,6 +399,16 @@ impl Gemma {
             }
             if let Some(scalar) = &layer.scalar {
                 h = h.multiply(scalar)?;
+            }
+            if self.layers.streamed() {
+                // Everything that reads this layer's weights, computed
+                // before they go (a KV-shared layer's keys were computed
+                // with their own layer).
+                let mut outputs = vec![&h];
+                if let (Some(_), Some((k, v))) = (&a.kv, &kvs[i]) {
+                    outputs.extend([k, v]);
+                }
+                eval(outputs)?;
             }
         }
         cache.advance(l)?;

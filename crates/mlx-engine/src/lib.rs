@@ -93,6 +93,7 @@ mod gguf;
 mod gguf_check;
 mod gguf_gemma;
 mod gguf_quants;
+mod layers;
 mod llama;
 mod mapped;
 mod model;

@@ -2,6 +2,7 @@
 //! mlx-rs.
 
 use mlx_rs::fast;
+use mlx_rs::transforms::eval;
 use mlx_rs::Array;
 
 use crate::attention::attention;
@@ -9,6 +10,7 @@ use crate::cache::KvCache;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::fused::silu_mul;
+use crate::layers::Layers;
 use crate::rope::Positions;
 use crate::weights::{Embedding, Linear, Weights};
 
@@ -26,10 +28,43 @@ struct Layer {
     post_norm: Array,
 }
 
+impl Layer {
+    fn load(config: &ModelConfig, w: &Weights<'_>, i: usize) -> Result<Layer> {
+        let hidden = config.hidden_size;
+        let (heads, kv_heads, hd) = (
+            config.num_attention_heads,
+            config.kv_heads(),
+            config.head_dim(),
+        );
+        let inter = config.intermediate_size;
+        let p = format!("model.layers.{i}");
+        let qk_norm = |name: &str| -> Result<Option<Array>> {
+            if config.qk_norm() {
+                Ok(Some(w.vector(&format!("{p}.self_attn.{name}.weight"), hd)?))
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(Layer {
+            q: w.linear(&format!("{p}.self_attn.q_proj"), hidden, heads * hd)?,
+            k: w.linear(&format!("{p}.self_attn.k_proj"), hidden, kv_heads * hd)?,
+            v: w.linear(&format!("{p}.self_attn.v_proj"), hidden, kv_heads * hd)?,
+            o: w.linear(&format!("{p}.self_attn.o_proj"), heads * hd, hidden)?,
+            q_norm: qk_norm("q_norm")?,
+            k_norm: qk_norm("k_norm")?,
+            gate: w.linear(&format!("{p}.mlp.gate_proj"), hidden, inter)?,
+            up: w.linear(&format!("{p}.mlp.up_proj"), hidden, inter)?,
+            down: w.linear(&format!("{p}.mlp.down_proj"), inter, hidden)?,
+            input_norm: w.vector(&format!("{p}.input_layernorm.weight"), hidden)?,
+            post_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"), hidden)?,
+        })
+    }
+}
+
 /// A loaded llama-family decoder.
 pub(crate) struct Llama {
     embed: Embedding,
-    layers: Vec<Layer>,
+    layers: Layers<Layer>,
     norm: Array,
     lm_head: Option<Linear>,
 }
@@ -39,36 +74,13 @@ impl Llama {
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
         let tied = config.tie_word_embeddings && !w.has("lm_head.weight");
         let embed = w.embedding("model.embed_tokens", vocab, hidden, true)?;
-        let (heads, kv_heads, hd) = (
-            config.num_attention_heads,
-            config.kv_heads(),
-            config.head_dim(),
-        );
-        let inter = config.intermediate_size;
-        let mut layers = Vec::new();
-        for i in 0..config.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let qk_norm = |name: &str| -> Result<Option<Array>> {
-                if config.qk_norm() {
-                    Ok(Some(w.vector(&format!("{p}.self_attn.{name}.weight"), hd)?))
-                } else {
-                    Ok(None)
-                }
-            };
-            layers.push(Layer {
-                q: w.linear(&format!("{p}.self_attn.q_proj"), hidden, heads * hd)?,
-                k: w.linear(&format!("{p}.self_attn.k_proj"), hidden, kv_heads * hd)?,
-                v: w.linear(&format!("{p}.self_attn.v_proj"), hidden, kv_heads * hd)?,
-                o: w.linear(&format!("{p}.self_attn.o_proj"), heads * hd, hidden)?,
-                q_norm: qk_norm("q_norm")?,
-                k_norm: qk_norm("k_norm")?,
-                gate: w.linear(&format!("{p}.mlp.gate_proj"), hidden, inter)?,
-                up: w.linear(&format!("{p}.mlp.up_proj"), hidden, inter)?,
-                down: w.linear(&format!("{p}.mlp.down_proj"), inter, hidden)?,
-                input_norm: w.vector(&format!("{p}.input_layernorm.weight"), hidden)?,
-                post_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"), hidden)?,
-            });
-        }
+        let layer_config = config.clone();
+        let layers = Layers::load(
+            w,
+            "model.layers.",
+            config.num_hidden_layers,
+            move |w, i| Layer::load(&layer_config, w, i),
+        )?;
         let norm = w.vector("model.norm.weight", hidden)?;
         let lm_head = if tied {
             None
@@ -110,7 +122,8 @@ impl Llama {
         let positions = Positions::of(cache);
         let mut x = self.embed.lookup(tokens)?;
         let scale = (hd as f32).powf(-0.5);
-        for (i, layer) in self.layers.iter().enumerate() {
+        for i in 0..self.layers.len() {
+            let layer = self.layers.get(i)?;
             let h = fast::rms_norm(&x, Some(&layer.input_norm), c.rms_norm_eps)?;
             let split = |a: Array, n: i32| -> Result<Array> {
                 Ok(a.reshape(&[b, l, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
@@ -127,6 +140,7 @@ impl Llama {
             };
             let (q, k) = (rope(&q)?, rope(&k)?);
             let (k, v) = cache.append(i, k, v, None)?;
+            let streamed = self.layers.streamed().then(|| [k.clone(), v.clone()]);
             let attended = attention(&q, cache.shared(i), (&k, &v), &mask, scale)?;
             let attended = attended
                 .transpose_axes(&[0, 2, 1, 3])?
@@ -135,6 +149,11 @@ impl Llama {
             let h = fast::rms_norm(&x1, Some(&layer.post_norm), c.rms_norm_eps)?;
             let gated = silu_mul(&layer.gate.forward(&h)?, &layer.up.forward(&h)?)?;
             x = x1.add(layer.down.forward(&gated)?)?;
+            if let Some([k, v]) = streamed {
+                // Everything that reads this layer's weights, computed
+                // before they go.
+                eval([&x, &k, &v])?;
+            }
         }
         cache.advance(l)?;
         Ok(x)

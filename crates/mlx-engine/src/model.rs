@@ -55,6 +55,7 @@ impl Model {
             quant: &config.quantization,
             mode: quantized,
             memory,
+            streamed: None,
         };
         let layers_prefix = match &config.gemma {
             Some(spec) => format!("{}layers.", KeyPrefixes::find(spec, &w)?.text),
@@ -83,7 +84,15 @@ impl Model {
         // f32 before each product (~250 M/s) is worth about 400.
         let unpacks = quantized == QuantizedWeights::DequantizeOnUse
             && config.quantization != mlx_support::QuantizationConfig::none();
-        let pass_cost_tokens = if unpacks { 400 } else { 40 };
+        // A streamed layer is read from the files again at every forward
+        // (~2 GB/s from the page cache, and copied once more when the
+        // weights are laid out for the product): about as costly as
+        // unpacking.
+        let pass_cost_tokens = if unpacks || memory == MemoryMode::Streamed {
+            400
+        } else {
+            40
+        };
         Ok(Model {
             config,
             decoder,

@@ -5,6 +5,7 @@
 //! that does not fit its config is an error naming the file and key, not a
 //! failed product later.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -59,6 +60,17 @@ pub enum MemoryMode {
     /// weights are resident. Results are the same, bit for bit; Gemma 4
     /// E2B's per-layer table alone is over a third of its checkpoint.
     MappedTables,
+    /// Tables mapped as in [`MappedTables`](Self::MappedTables), and each
+    /// decoder layer's weights read from the files only while that layer
+    /// runs (through `block_stream::BlockStreamer`): a forward takes every
+    /// row of its batch through layer `i`, evaluates the result, and drops
+    /// the layer before reading layer `i + 1`. Resident memory holds one
+    /// layer, the other non-table weights, the caches and the activations;
+    /// the price is reading every layer's bytes again at every forward
+    /// (each prefill group, each decoded token), so it suits
+    /// classification and short outputs on models that do not fit.
+    /// Results are the same, bit for bit.
+    Streamed,
 }
 
 impl MemoryMode {
@@ -67,12 +79,19 @@ impl MemoryMode {
     /// a lower cgroup limit) is `memory_bytes`: resident while the weights
     /// take at most half the memory, since the page cache, the activations
     /// and the rest of the application need the other half; tables mapped
-    /// beyond that. Unknown memory: resident.
+    /// beyond that, and layers streamed too when the weights alone would
+    /// fill the memory. Unknown memory: resident.
     pub fn for_model(weight_bytes: u64, memory_bytes: Option<u64>) -> MemoryMode {
         match memory_bytes {
+            Some(memory) if weight_bytes > memory => MemoryMode::Streamed,
             Some(memory) if weight_bytes > memory / 2 => MemoryMode::MappedTables,
             _ => MemoryMode::Resident,
         }
+    }
+
+    /// Whether embedding tables stay in their files.
+    pub(crate) fn maps_tables(self) -> bool {
+        matches!(self, MemoryMode::MappedTables | MemoryMode::Streamed)
     }
 }
 
@@ -84,6 +103,11 @@ pub(crate) struct Weights<'a> {
     pub quant: &'a QuantizationConfig,
     pub mode: QuantizedWeights,
     pub memory: MemoryMode,
+    /// One streamed layer's weights by key ([`MemoryMode::Streamed`]):
+    /// arrays are taken from here instead of copied from the files, and
+    /// nothing is evaluated while the layer is built, so that its weights
+    /// are read when (and only when) the layer runs.
+    pub streamed: Option<&'a HashMap<String, Array>>,
 }
 
 impl Weights<'_> {
@@ -122,6 +146,9 @@ impl Weights<'_> {
     /// `key`, whose shape must be `expected`.
     pub fn array(&self, key: &str, expected: &[usize]) -> Result<Array> {
         let view = self.view(key, expected)?;
+        if let Some(array) = self.streamed.and_then(|block| block.get(key)) {
+            return Ok(array.clone());
+        }
         let array = array_from_bytes(key, view.dtype, view.shape, view.data)?;
         // The array is a copy: the mapped pages read to make it would
         // otherwise stay resident until the whole model is loaded, doubling
@@ -200,14 +227,14 @@ impl Weights<'_> {
         let Some((weight, packed)) = self.packed(prefix, outputs, inputs)? else {
             let weight = self.array(&format!("{prefix}.weight"), &[outputs, inputs])?;
             return Ok(Linear {
-                weight: transposed(&weight)?,
+                weight: self.transposed(&weight)?,
                 bias,
                 packed: None,
             });
         };
         Ok(match self.mode {
             QuantizedWeights::DequantizeF32 => Linear {
-                weight: transposed(&packed.dense_f32(&weight)?)?,
+                weight: self.transposed(&packed.dense_f32(&weight)?)?,
                 bias,
                 packed: None,
             },
@@ -230,7 +257,7 @@ impl Weights<'_> {
         dim: usize,
         as_head: bool,
     ) -> Result<Embedding> {
-        if self.memory == MemoryMode::MappedTables {
+        if self.memory.maps_tables() {
             return self.mapped_embedding(prefix, vocab, dim, as_head);
         }
         let packed = self.packed(prefix, vocab, dim)?;
@@ -252,6 +279,16 @@ impl Weights<'_> {
 }
 
 impl Weights<'_> {
+    /// `w` transposed for [`Linear`]: evaluated at once (see
+    /// [`transposed`]), except in a streamed layer, where it is computed
+    /// when the layer runs.
+    fn transposed(&self, w: &Array) -> Result<Array> {
+        if self.streamed.is_some() {
+            return Ok(w.t().contiguous()?);
+        }
+        transposed(w)
+    }
+
     /// [`embedding`](Self::embedding) left in the files: the shapes are
     /// checked now, the rows read at each lookup.
     fn mapped_embedding(
@@ -467,12 +504,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tables_are_mapped_when_the_weights_take_over_half_the_memory() {
+    fn tables_are_mapped_past_half_the_memory_and_layers_streamed_past_all_of_it() {
         const GIB: u64 = 1 << 30;
         let mode = |weights, memory| MemoryMode::for_model(weights, memory);
         assert_eq!(mode(3 * GIB, Some(8 * GIB)), MemoryMode::Resident);
         assert_eq!(mode(4 * GIB, Some(8 * GIB)), MemoryMode::Resident);
         assert_eq!(mode(5 * GIB, Some(8 * GIB)), MemoryMode::MappedTables);
+        assert_eq!(mode(8 * GIB, Some(8 * GIB)), MemoryMode::MappedTables);
+        assert_eq!(mode(9 * GIB, Some(8 * GIB)), MemoryMode::Streamed);
         assert_eq!(mode(100 * GIB, None), MemoryMode::Resident);
     }
 

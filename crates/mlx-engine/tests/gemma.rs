@@ -577,15 +577,18 @@ fn quantized_gemma4_modes_agree() {
 }
 
 /// Embedding tables left in the files (the token table, tied head, and
-/// the per-layer table) give the resident model's logits bit for bit, in
-/// every quantized-weights mode, f32 and 4-bit, for a whole prompt and for
-/// a padded batch after a shared prefix; the engine's greedy texts are the
-/// same; a token outside the vocabulary is a typed error.
+/// the per-layer table), and decoder layers streamed from the files too
+/// (KV-shared layers included), give the resident model's logits bit for
+/// bit, in every quantized-weights mode, f32 and 4-bit, for a whole prompt
+/// and for a padded batch after a shared prefix; the engine's greedy texts
+/// are the same; a token outside the vocabulary is a typed error. The
+/// 4-bit model is in mlx_lm's multimodal layout (layers under
+/// `language_model.model.layers.`).
 #[test]
-fn gemma4_with_mapped_tables_equals_resident() {
-    for quantized in [false, true] {
+fn gemma4_in_low_memory_modes_equals_resident() {
+    for (quantized, layout) in [(false, Layout::Text), (true, Layout::Mlx)] {
         let dir = tempfile::tempdir().unwrap();
-        write_gemma4(dir.path(), Layout::Text, quantized);
+        write_gemma4(dir.path(), layout, quantized);
         let (prefix, suffixes) = prompt_tokens(dir.path());
         let full = ids(&[prefix.clone(), suffixes[3].clone()].concat());
         let width = suffixes.iter().map(Vec::len).max().unwrap();
@@ -629,11 +632,12 @@ fn gemma4_with_mapped_tables_equals_resident() {
             QuantizedWeights::DequantizeF32,
         ] {
             let resident = logits(mode, MemoryMode::Resident);
-            let mapped = logits(mode, MemoryMode::MappedTables);
-            assert!(
-                resident == mapped,
-                "quantized {quantized}, {mode:?}: mapped tables change the logits"
-            );
+            for memory in [MemoryMode::MappedTables, MemoryMode::Streamed] {
+                assert!(
+                    resident == logits(mode, memory),
+                    "quantized {quantized}, {mode:?}: {memory:?} changes the logits"
+                );
+            }
         }
         let texts = |memory| {
             let engine = MlxEngine::new(
@@ -651,21 +655,38 @@ fn gemma4_with_mapped_tables_equals_resident() {
                 .unwrap()
                 .texts
         };
-        assert_eq!(
-            texts(MemoryMode::Resident),
-            texts(MemoryMode::MappedTables),
-            "quantized {quantized}"
-        );
+        let resident = texts(MemoryMode::Resident);
+        assert_eq!(resident, texts(MemoryMode::MappedTables), "quantized {quantized}");
+        assert_eq!(resident, texts(MemoryMode::Streamed), "quantized {quantized}");
 
-        let model =
-            Model::load_with(dir.path(), QuantizedWeights::Keep, MemoryMode::MappedTables).unwrap();
-        let outside = Array::from_slice(&[3, VOCAB], &[1, 2]);
-        match model.forward(&outside, &mut KvCache::new()) {
-            Err(Error::TokenOutOfRange { id, vocab }) => {
-                assert_eq!((id, vocab), (VOCAB as u32, VOCAB as usize));
+        for memory in [MemoryMode::MappedTables, MemoryMode::Streamed] {
+            let model = Model::load_with(dir.path(), QuantizedWeights::Keep, memory).unwrap();
+            let outside = Array::from_slice(&[3, VOCAB], &[1, 2]);
+            match model.forward(&outside, &mut KvCache::new()) {
+                Err(Error::TokenOutOfRange { id, vocab }) => {
+                    assert_eq!((id, vocab), (VOCAB as u32, VOCAB as usize));
+                }
+                other => panic!("{memory:?}: {other:?}"),
             }
-            other => panic!("{other:?}"),
         }
+    }
+}
+
+/// A streamed model whose weight file is gone when a forward needs the
+/// next layer fails with an error naming the folder, not a panic.
+#[test]
+fn a_streamed_layer_whose_file_is_gone_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    write_gemma4(dir.path(), Layout::Text, true);
+    let model =
+        Model::load_with(dir.path(), QuantizedWeights::Keep, MemoryMode::Streamed).unwrap();
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    match model.forward(&Array::from_slice(&[3, 4], &[1, 2]), &mut KvCache::new()) {
+        Err(e @ Error::Stream { .. }) => {
+            let message = e.to_string();
+            assert!(message.contains("model.safetensors"), "{message}");
+        }
+        other => panic!("{other:?}"),
     }
 }
 

@@ -175,13 +175,16 @@ fn quantized_import_agrees_with_f32_import() {
 }
 
 /// The embedding table left in its file (with the tied head computed in
-/// slices from it) gives the resident logits bit for bit, f32 and 4-bit,
-/// in every quantized-weights mode, and the engine the same greedy texts.
+/// slices from it), and the decoder layers streamed from the files too,
+/// give the resident logits bit for bit, f32 and 4-bit, in every
+/// quantized-weights mode, for a prompt and for a token after it (the
+/// streamed layers' cache entries are evaluated before the layer goes), and
+/// the engine the same greedy texts.
 #[test]
-fn mapped_tables_equal_resident() {
+fn low_memory_modes_equal_resident() {
     let (Some(f32_dir), Some(q4_dir)) = (fixture("f32"), fixture("q4")) else {
         eprintln!(
-            "SKIP mapped_tables_equal_resident: no SmolLM2 fixture (run cargo xtask fixtures)"
+            "SKIP low_memory_modes_equal_resident: no SmolLM2 fixture (run cargo xtask fixtures)"
         );
         return;
     };
@@ -192,16 +195,19 @@ fn mapped_tables_equal_resident() {
         .iter()
         .map(|&t| t as i32)
         .collect();
-    let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
+    let n = ids.len();
+    let prompt = Array::from_slice(&ids[..n - 1], &[1, n as i32 - 1]);
+    let last = Array::from_slice(&ids[n - 1..], &[1, 1]);
     let logits = |dir: &PathBuf, q, memory| -> Vec<u32> {
         let model = Model::load_with(dir, q, memory).unwrap();
-        let logits = model.forward(&input, &mut KvCache::new()).unwrap();
-        logits.eval().unwrap();
-        logits
-            .as_slice::<f32>()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
+        let mut cache = KvCache::new();
+        let mut bits = Vec::new();
+        for input in [&prompt, &last] {
+            let logits = model.forward(input, &mut cache).unwrap();
+            logits.eval().unwrap();
+            bits.extend(logits.as_slice::<f32>().iter().map(|v| v.to_bits()));
+        }
+        bits
     };
     for (dir, modes) in [
         (&f32_dir, &[QuantizedWeights::DequantizeF32][..]),
@@ -215,11 +221,14 @@ fn mapped_tables_equal_resident() {
         ),
     ] {
         for &q in modes {
-            assert!(
-                logits(dir, q, MemoryMode::Resident) == logits(dir, q, MemoryMode::MappedTables),
-                "{} {q:?}: mapped tables change the logits",
-                dir.display()
-            );
+            let resident = logits(dir, q, MemoryMode::Resident);
+            for memory in [MemoryMode::MappedTables, MemoryMode::Streamed] {
+                assert!(
+                    resident == logits(dir, q, memory),
+                    "{} {q:?}: {memory:?} changes the logits",
+                    dir.display()
+                );
+            }
         }
     }
     let texts = |memory| {
@@ -230,7 +239,9 @@ fn mapped_tables_equal_resident() {
             .unwrap()
             .texts
     };
-    assert_eq!(texts(MemoryMode::Resident), texts(MemoryMode::MappedTables));
+    let resident = texts(MemoryMode::Resident);
+    assert_eq!(resident, texts(MemoryMode::MappedTables));
+    assert_eq!(resident, texts(MemoryMode::Streamed));
 }
 
 /// The largest absolute difference between two equally long vectors.

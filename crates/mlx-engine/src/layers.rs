@@ -1,0 +1,152 @@
+//! A decoder's layers, held in memory or streamed from the files one at a
+//! time ([`MemoryMode::Streamed`]).
+//!
+//! Both decoders build a layer with the same function in either case: a
+//! streamed layer is built from the arrays `block_stream::BlockStreamer`
+//! hands out for its block (MLX's lazy loads, with an adapter's LoRA fused
+//! where one is given), so it is checked and computed exactly as a resident
+//! one, and its weights are read when the forward evaluates that layer.
+//!
+//! [`MemoryMode::Streamed`]: crate::MemoryMode::Streamed
+
+use std::collections::HashMap;
+use std::ops::Deref;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use block_stream::BlockStreamer;
+use mlx_rs::Array;
+use mlx_support::QuantizationConfig;
+use st_mmap::{BlockPrefix, SafetensorsSet};
+
+use crate::error::{Error, Result};
+use crate::weights::{MemoryMode, QuantizedWeights, Weights};
+
+/// Builds layer `i` from the weights.
+type LoadLayer<L> = Box<dyn Fn(&Weights<'_>, usize) -> Result<L> + Send + Sync>;
+
+/// A decoder's layers.
+pub(crate) enum Layers<L> {
+    Resident(Vec<L>),
+    Streamed(Box<Stream<L>>),
+}
+
+/// What builds a streamed layer each time it runs.
+pub(crate) struct Stream<L> {
+    streamer: Mutex<BlockStreamer>,
+    prefix: BlockPrefix,
+    dir: PathBuf,
+    set: Arc<SafetensorsSet>,
+    quant: QuantizationConfig,
+    mode: QuantizedWeights,
+    count: usize,
+    load: LoadLayer<L>,
+}
+
+/// A layer while it runs: borrowed from memory, or built for this forward
+/// and dropped after it.
+pub(crate) enum LayerRef<'a, L> {
+    Borrowed(&'a L),
+    Owned(L),
+}
+
+impl<L> Deref for LayerRef<'_, L> {
+    type Target = L;
+
+    fn deref(&self) -> &L {
+        match self {
+            LayerRef::Borrowed(l) => l,
+            LayerRef::Owned(l) => l,
+        }
+    }
+}
+
+impl<L> Layers<L> {
+    /// `count` layers under `prefix` (`model.layers.`): built now, or, when
+    /// `w` streams them, checked now (each built once from unread loads,
+    /// so that a checkpoint that does not fit its config fails here and not
+    /// in the first forward) and built again at each use.
+    pub(crate) fn load(
+        w: &Weights<'_>,
+        prefix: &str,
+        count: usize,
+        load: impl Fn(&Weights<'_>, usize) -> Result<L> + Send + Sync + 'static,
+    ) -> Result<Layers<L>> {
+        if w.memory != MemoryMode::Streamed {
+            return Ok(Layers::Resident(
+                (0..count).map(|i| load(w, i)).collect::<Result<_>>()?,
+            ));
+        }
+        let streamer = BlockStreamer::new(w.set.files().iter().map(|f| f.path()), prefix)
+            .map_err(|e| stream_error(w.dir, e))?;
+        let stream = Stream {
+            streamer: Mutex::new(streamer),
+            prefix: BlockPrefix::new(prefix),
+            dir: w.dir.to_path_buf(),
+            set: w.set.clone(),
+            quant: w.quant.clone(),
+            mode: w.mode,
+            count,
+            load: Box::new(load),
+        };
+        for i in 0..count {
+            drop(stream.layer(i)?);
+        }
+        Ok(Layers::Streamed(Box::new(stream)))
+    }
+
+    /// Whether a forward must evaluate each layer's outputs before the
+    /// next layer is built, so that the layer's weights can be freed.
+    pub(crate) fn streamed(&self) -> bool {
+        matches!(self, Layers::Streamed(_))
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Layers::Resident(layers) => layers.len(),
+            Layers::Streamed(stream) => stream.count,
+        }
+    }
+
+    /// Layer `i`, for one forward.
+    pub(crate) fn get(&self, i: usize) -> Result<LayerRef<'_, L>> {
+        match self {
+            Layers::Resident(layers) => Ok(LayerRef::Borrowed(&layers[i])),
+            Layers::Streamed(stream) => Ok(LayerRef::Owned(stream.layer(i)?)),
+        }
+    }
+}
+
+impl<L> Stream<L> {
+    /// Layer `i` built from its block's lazy loads.
+    fn layer(&self, i: usize) -> Result<L> {
+        let weights = self
+            .streamer
+            .lock()
+            // A panic while it was held left no half-made state behind: the
+            // streamer's only mutable state is a cache of lazy loads.
+            .unwrap_or_else(PoisonError::into_inner)
+            .block_weights(i, &[])
+            .map_err(|e| stream_error(&self.dir, e))?;
+        let block: HashMap<String, Array> = weights
+            .into_iter()
+            .map(|(param, array)| (self.prefix.key(i, &param), array))
+            .collect();
+        let w = Weights {
+            dir: &self.dir,
+            set: &self.set,
+            quant: &self.quant,
+            mode: self.mode,
+            memory: MemoryMode::Streamed,
+            streamed: Some(&block),
+        };
+        (self.load)(&w, i)
+    }
+}
+
+fn stream_error(dir: &std::path::Path, source: block_stream::Error) -> Error {
+    Error::Stream {
+        dir: dir.to_path_buf(),
+        source,
+    }
+}
