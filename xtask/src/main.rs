@@ -13,6 +13,7 @@
 
 mod adapter;
 mod fixtures;
+mod memory_limit;
 mod prereqs;
 mod release;
 
@@ -101,6 +102,21 @@ enum Cmd {
     },
     /// Install the system packages the MLX build needs, and nothing else.
     Prereqs,
+    /// Classify under a memory limit smaller than the model (a memory
+    /// cgroup made for the run: Linux, as root), once per memory mode, and
+    /// report which complete.
+    MemoryLimit {
+        /// An mlx_lm-format model folder (default: the SmolLM2 fixture's
+        /// f32 weights).
+        #[arg(long)]
+        model_dir: Option<PathBuf>,
+        /// The limit in MB (default: three quarters of the weights).
+        #[arg(long)]
+        limit_mb: Option<u64>,
+        /// Conversations to classify in each mode.
+        #[arg(long, default_value_t = 32)]
+        conversations: usize,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -169,6 +185,19 @@ fn run(cli: Cli) -> Result<()> {
     std::env::set_current_dir(&root).context("entering the workspace root")?;
     match cli.command {
         Cmd::Prereqs => prereqs::ensure(),
+        Cmd::MemoryLimit {
+            model_dir,
+            limit_mb,
+            conversations,
+        } => {
+            prereqs::ensure()?;
+            fast_blas();
+            let model_dir = match model_dir {
+                Some(dir) => here(&dir),
+                None => fixtures::ensure()?.join("f32"),
+            };
+            memory_limit::run(&model_dir, limit_mb, conversations)
+        }
         Cmd::Fixtures => {
             prereqs::ensure()?;
             let dir = fixtures::ensure()?;

@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use block_stream::BlockStreamer;
 use mlx_rs::module::ModuleParameters;
 use mlx_rs::ops::indexing::IndexOp;
+pub use mlx_support::evict_from_page_cache;
 use mlx_support::ProcessMemory;
 
 use crate::synthetic::{Block, Spec, PREFIX};
@@ -216,25 +217,6 @@ fn run_pass(mut child: Command, name: &str) -> Result<PassReport> {
         peak_rss: peak.parse()?,
         checksum: checksum.parse()?,
     })
-}
-
-/// Drops `path` from the OS page cache so the next pass reads from disk.
-/// Linux only (posix_fadvise); returns false where it cannot.
-pub fn evict_from_page_cache(path: &Path) -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        let Ok(file) = std::fs::File::open(path) else {
-            return false;
-        };
-        // SAFETY: a valid open descriptor; the call only advises the kernel.
-        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0 }
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = path;
-        false
-    }
 }
 
 /// Reads `path` once so the next pass finds it in the page cache.

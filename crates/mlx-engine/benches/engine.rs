@@ -16,8 +16,11 @@
 //! runs 8; E2B 8), `--mlx-lm-conversations N` for mlx_lm's side alone
 //! (E2B's 4-bit runs 1; 0 skips it), `--batches 1,8,32` (Gemma 3
 //! 2,8,32; E2B 2,8), `--max-tokens 1,32` (Gemma 1), `--variants f32,q4`,
-//! `--memory resident,mapped` (ours with the embedding tables resident or
-//! left in the files; Gemma 3 resident only).
+//! `--memory resident,mapped,streamed` (ours with the embedding tables
+//! resident or left in the files, or with the decoder layers streamed from
+//! the files as well; default resident and mapped, Gemma 3 resident only),
+//! `--cold` (every run of either side starts with the model's files dropped
+//! from the page cache: Linux).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -93,6 +96,8 @@ fn child(
     // memory (the engine's default does).
     config = config.memory(if options.contains(&"mapped") {
         MemoryMode::MappedTables
+    } else if options.contains(&"streamed") {
+        MemoryMode::Streamed
     } else {
         MemoryMode::Resident
     });
@@ -111,6 +116,19 @@ fn child(
         s.generated_tokens,
         engine.peak_memory_bytes().unwrap_or(0) / 1024
     );
+}
+
+/// Drops the `.safetensors` files of `dir` (links followed) from the page
+/// cache, for `--cold`.
+fn evict_model_files(dir: &Path) {
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "safetensors")
+            && !mlx_support::evict_from_page_cache(&path)
+        {
+            println!("--cold: could not evict {} (Linux only)", path.display());
+        }
+    }
 }
 
 fn list(args: &[String], flag: &str, default: &str) -> Vec<String> {
@@ -293,7 +311,8 @@ struct ModelBench {
     q4_python_conversations: Option<&'static str>,
     /// Also run ours with the 4-bit weights dequantized at load.
     q4_f32_at_load: bool,
-    /// Where ours keeps the weights: `resident`, `mapped` (tables).
+    /// Where ours keeps the weights: `resident`, `mapped` (tables),
+    /// `streamed` (layers too).
     memory: &'static str,
     batches: &'static str,
     max_tokens: &'static str,
@@ -443,8 +462,14 @@ impl ModelBench {
                 other => other,
             };
             println!(
-                "\n{} {variant}: {n} conversations ({python_n} for mlx_lm), a {}-word shared system prompt",
-                self.name, self.system_words
+                "\n{} {variant}: {n} conversations ({python_n} for mlx_lm), a {}-word shared system prompt{}",
+                self.name,
+                self.system_words,
+                if args.iter().any(|a| a == "--cold") {
+                    "; cold: the model's files dropped from the page cache before each run"
+                } else {
+                    ""
+                }
             );
             // mlx_lm's side reads its conversations from a file; ours makes
             // the same ones (the first `n` of one list).
@@ -497,12 +522,17 @@ impl ModelBench {
                     }
                 }
                 "mapped" => ours_modes.push(("mapped", "ours, tables mapped")),
-                other => println!("unknown --memory {other:?}: resident or mapped"),
+                "streamed" => ours_modes.push(("streamed", "ours, layers streamed")),
+                other => println!("unknown --memory {other:?}: resident, mapped or streamed"),
             }
         }
         for max_tokens in list(args, "--max-tokens", self.max_tokens) {
             for batch in list(args, "--batches", self.batches) {
+                let cold = args.iter().any(|a| a == "--cold");
                 for &(flag, label) in &ours_modes {
+                    if cold {
+                        evict_model_files(&dir);
+                    }
                     let exe = std::env::current_exe().unwrap();
                     let ours = Command::new(exe)
                         .args(["child"])
@@ -533,6 +563,9 @@ impl ModelBench {
                 }
                 let Some(python) = python else { continue };
                 for &(mode, label) in self.modes {
+                    if cold {
+                        evict_model_files(&dir);
+                    }
                     let script =
                         Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/mlx_lm_batch.py");
                     let theirs = Command::new(python)

@@ -285,9 +285,9 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
     let quantized = config
         .quantized
         .unwrap_or_else(|| QuantizedWeights::for_device(device));
-    let memory = config.memory.unwrap_or_else(|| {
-        MemoryMode::for_model(weight_bytes(&config.model_dir), mlx_support::memory_limit())
-    });
+    let memory = config
+        .memory
+        .unwrap_or_else(|| MemoryMode::for_model_dir(&config.model_dir));
     tracing::info!(?memory, ?quantized, "loading the model");
     let model = Model::load_with(&config.model_dir, quantized, memory).map_err(err)?;
     let tokenizer = Tokenizer::load(&config.model_dir).map_err(err)?;
@@ -311,17 +311,4 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         tokenizer,
         state,
     })
-}
-
-/// The size of the `.safetensors` files in `dir` (0 where unreadable: the
-/// load reports that).
-fn weight_bytes(dir: &std::path::Path) -> u64 {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum()
 }

@@ -75,12 +75,9 @@ impl Llama {
         let tied = config.tie_word_embeddings && !w.has("lm_head.weight");
         let embed = w.embedding("model.embed_tokens", vocab, hidden, true)?;
         let layer_config = config.clone();
-        let layers = Layers::load(
-            w,
-            "model.layers.",
-            config.num_hidden_layers,
-            move |w, i| Layer::load(&layer_config, w, i),
-        )?;
+        let layers = Layers::load(w, "model.layers.", config.num_hidden_layers, move |w, i| {
+            Layer::load(&layer_config, w, i)
+        })?;
         let norm = w.vector("model.norm.weight", hidden)?;
         let lm_head = if tied {
             None

@@ -89,10 +89,29 @@ impl MemoryMode {
         }
     }
 
+    /// [`for_model`](Self::for_model) for the model folder `dir` on this
+    /// machine ([`mlx_support::memory_limit`]): the engine's default.
+    pub fn for_model_dir(dir: &Path) -> MemoryMode {
+        MemoryMode::for_model(weight_bytes(dir), mlx_support::memory_limit())
+    }
+
     /// Whether embedding tables stay in their files.
     pub(crate) fn maps_tables(self) -> bool {
         matches!(self, MemoryMode::MappedTables | MemoryMode::Streamed)
     }
+}
+
+/// The size of the `.safetensors` files in `dir` (0 where unreadable: the
+/// load reports that).
+fn weight_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
 }
 
 /// The weights of one model folder, read through a key prefix (`model.`,

@@ -656,8 +656,16 @@ fn gemma4_in_low_memory_modes_equals_resident() {
                 .texts
         };
         let resident = texts(MemoryMode::Resident);
-        assert_eq!(resident, texts(MemoryMode::MappedTables), "quantized {quantized}");
-        assert_eq!(resident, texts(MemoryMode::Streamed), "quantized {quantized}");
+        assert_eq!(
+            resident,
+            texts(MemoryMode::MappedTables),
+            "quantized {quantized}"
+        );
+        assert_eq!(
+            resident,
+            texts(MemoryMode::Streamed),
+            "quantized {quantized}"
+        );
 
         for memory in [MemoryMode::MappedTables, MemoryMode::Streamed] {
             let model = Model::load_with(dir.path(), QuantizedWeights::Keep, memory).unwrap();
@@ -678,8 +686,7 @@ fn gemma4_in_low_memory_modes_equals_resident() {
 fn a_streamed_layer_whose_file_is_gone_is_a_typed_error() {
     let dir = tempfile::tempdir().unwrap();
     write_gemma4(dir.path(), Layout::Text, true);
-    let model =
-        Model::load_with(dir.path(), QuantizedWeights::Keep, MemoryMode::Streamed).unwrap();
+    let model = Model::load_with(dir.path(), QuantizedWeights::Keep, MemoryMode::Streamed).unwrap();
     std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
     match model.forward(&Array::from_slice(&[3, 4], &[1, 2]), &mut KvCache::new()) {
         Err(e @ Error::Stream { .. }) => {

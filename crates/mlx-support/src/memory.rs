@@ -75,19 +75,63 @@ fn physical_memory() -> Option<u64> {
     }
 }
 
-/// The `memory.max` of this process's cgroup (v2), when one is set.
+/// The lowest memory limit of this process's cgroup and its ancestors:
+/// v2 `memory.max`, or v1 `memory.limit_in_bytes` (whose "no limit" is a
+/// number near 2⁶³, which physical memory then undercuts).
 fn cgroup_memory_max() -> Option<u64> {
     if !cfg!(target_os = "linux") {
         return None;
     }
-    // `0::/path` is the v2 entry of /proc/self/cgroup.
     let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = cgroups.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let max = std::path::Path::new("/sys/fs/cgroup")
-        .join(path.trim_start_matches('/'))
-        .join("memory.max");
-    // "max" (no limit) does not parse.
-    std::fs::read_to_string(max).ok()?.trim().parse().ok()
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let mut limits = Vec::new();
+    for line in cgroups.lines() {
+        // `hierarchy:controllers:/path`; v2's is `0::/path`.
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next(), fields.next()?, fields.next()?);
+        let (base, file) = match controllers {
+            "" => (root.to_path_buf(), "memory.max"),
+            c if c.split(',').any(|c| c == "memory") => {
+                (root.join("memory"), "memory.limit_in_bytes")
+            }
+            _ => continue,
+        };
+        let mut dir = base.join(path.trim_start_matches('/'));
+        loop {
+            // "max" (no limit) does not parse.
+            if let Some(limit) = std::fs::read_to_string(dir.join(file))
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+            {
+                limits.push(limit);
+            }
+            if dir == base || !dir.pop() {
+                break;
+            }
+        }
+    }
+    limits.into_iter().min()
+}
+
+/// Drops `path` from the OS page cache so that the next read of it comes
+/// from the disk: what a "cold" measurement needs. Linux only
+/// (`posix_fadvise(DONTNEED)`, which skips pages some process has mapped
+/// or dirtied); false where it cannot.
+pub fn evict_from_page_cache(path: &std::path::Path) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let Ok(file) = std::fs::File::open(path) else {
+            return false;
+        };
+        // SAFETY: a valid open descriptor; the call only advises the kernel.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        false
+    }
 }
 
 /// `getrusage(who)`: the process's or (Linux) the calling thread's usage.
