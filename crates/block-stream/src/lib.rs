@@ -71,7 +71,10 @@ mod lora;
 mod streamer;
 
 pub use error::{Error, Result};
-pub use lora::{BlockLoraSource, DenseLoraFuser, LoraFuser, LoraPair, QuantizedLoraFuser};
+pub use lora::{
+    BlockLoraSource, CheckpointLoraFuser, DenseLoraFuser, LoraFuser, LoraPair, QuantizedLoraFuser,
+};
+pub use mlx_support::LoraLayout;
 pub use streamer::BlockStreamer;
 
 /// Compiles the README's example with the doc-tests, so that it stays true.

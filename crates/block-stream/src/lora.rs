@@ -4,36 +4,50 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use mlx_rs::Array;
-use mlx_support::{array_from_bytes, fuse_lora, LinearWeights, Lora, LoraLayout, Quantization};
+use mlx_support::{
+    array_from_bytes, fuse_lora, LinearWeights, Lora, LoraLayout, Quantization, QuantizationConfig,
+};
 use st_mmap::{BlockPrefix, SafetensorsFile};
 
 use crate::error::{Error, Result};
 
-const A_SUFFIX: &str = ".lora_A.weight";
-const B_SUFFIX: &str = ".lora_B.weight";
+/// The key suffixes of a pair's halves in `layout`'s files.
+fn suffixes(layout: LoraLayout) -> (&'static str, &'static str) {
+    match layout {
+        LoraLayout::Peft => (".lora_A.weight", ".lora_B.weight"),
+        LoraLayout::MlxLm => (".lora_a", ".lora_b"),
+    }
+}
 
-/// One LoRA pair of a block: `A` is (rank, in), `B` is (out, rank).
+/// One LoRA pair of a block, laid out as its source's layout says: PEFT's
+/// `A` (rank, in) and `B` (out, rank), or mlx_lm's `lora_a` (in, rank) and
+/// `lora_b` (rank, out).
 #[derive(Debug)]
 pub struct LoraPair {
     /// The adapted module, relative to the block (e.g. `attn.to_q`); the
     /// weight it adapts is `{param}.weight`.
     pub param: String,
-    /// Down projection, shape (rank, in).
+    /// Down projection.
     pub a: Array,
-    /// Up projection, shape (out, rank).
+    /// Up projection.
     pub b: Array,
+    /// The layout, and with it the arithmetic the pair is fused with.
+    pub layout: LoraLayout,
 }
 
 /// LoRA A/B matrices from a safetensors file, indexed by block.
 ///
 /// Keys (after the optional key mapper) of the form
-/// `{prefix}{i}.{param}.lora_A.weight` / `….lora_B.weight` form block `i`'s
-/// pair for `param`. Keys outside the prefix, other suffixes (e.g. `.alpha`)
-/// and unpaired halves are ignored.
+/// `{prefix}{i}.{param}.lora_A.weight` / `….lora_B.weight` (PEFT, diffusers)
+/// or, opened with [`open_mlx_lm`](Self::open_mlx_lm), mlx_lm's
+/// `{prefix}{i}.{param}.lora_a` / `….lora_b` form block `i`'s pair for
+/// `param`. Keys outside the prefix, other suffixes (e.g. `.alpha`) and
+/// unpaired halves are ignored.
 #[derive(Debug)]
 pub struct BlockLoraSource {
     path: PathBuf,
     strength: f32,
+    layout: LoraLayout,
     /// Block → param → (key of A, key of B), keys as stored in the file.
     pairs: BTreeMap<usize, BTreeMap<String, (String, String)>>,
     /// The file, mapped: LoRA matrices are small and copied into MLX
@@ -55,6 +69,28 @@ impl BlockLoraSource {
         strength: f32,
         key_mapper: impl Fn(&str) -> Option<String>,
     ) -> Result<Self> {
+        Self::open_layout(path, block_prefix, strength, LoraLayout::Peft, key_mapper)
+    }
+
+    /// Opens an mlx_lm adapter's `adapters.safetensors` (keys
+    /// `{prefix}{i}.{param}.lora_a` / `.lora_b`); `scale` is its
+    /// `adapter_config.json`'s `lora_parameters.scale`. Its pairs are fused
+    /// with mlx_lm's arithmetic (`LoRALinear.fuse`), so a block gets the
+    /// weights `mlx_lm fuse` (and adapter-fuse) would write.
+    pub fn open_mlx_lm(path: impl AsRef<Path>, block_prefix: &str, scale: f32) -> Result<Self> {
+        Self::open_layout(path, block_prefix, scale, LoraLayout::MlxLm, |k| {
+            Some(k.to_owned())
+        })
+    }
+
+    fn open_layout(
+        path: impl AsRef<Path>,
+        block_prefix: &str,
+        strength: f32,
+        layout: LoraLayout,
+        key_mapper: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
+        let (a_suffix, b_suffix) = suffixes(layout);
         let path = path.as_ref().to_path_buf();
         let file = SafetensorsFile::open(&path)?;
         let header = file.header();
@@ -68,9 +104,9 @@ impl BlockLoraSource {
             let Some((block, rest)) = prefix.parse(&mapped)? else {
                 continue;
             };
-            if let Some(param) = rest.strip_suffix(A_SUFFIX) {
+            if let Some(param) = rest.strip_suffix(a_suffix) {
                 halves.entry((block, param.to_owned())).or_default().0 = Some(info.name.clone());
-            } else if let Some(param) = rest.strip_suffix(B_SUFFIX) {
+            } else if let Some(param) = rest.strip_suffix(b_suffix) {
                 halves.entry((block, param.to_owned())).or_default().1 = Some(info.name.clone());
             }
         }
@@ -83,6 +119,7 @@ impl BlockLoraSource {
         Ok(BlockLoraSource {
             path,
             strength,
+            layout,
             pairs,
             file,
         })
@@ -119,18 +156,21 @@ impl BlockLoraSource {
                     param: param.clone(),
                     a: load(a)?,
                     b: load(b)?,
+                    layout: self.layout,
                 })
             })
             .collect()
     }
 
     /// Block `idx`'s LoRA as `{param}.lora_A.weight` / `{param}.lora_B.weight`
-    /// → array, keys relative to the block (the reference's dict form).
+    /// (or mlx_lm's `.lora_a` / `.lora_b`) → array, keys relative to the
+    /// block (the reference's dict form).
     pub fn block_lora(&self, idx: usize) -> Result<BTreeMap<String, Array>> {
+        let (a_suffix, b_suffix) = suffixes(self.layout);
         let mut out = BTreeMap::new();
         for pair in self.pairs(idx)? {
-            out.insert(format!("{}{A_SUFFIX}", pair.param), pair.a);
-            out.insert(format!("{}{B_SUFFIX}", pair.param), pair.b);
+            out.insert(format!("{}{a_suffix}", pair.param), pair.a);
+            out.insert(format!("{}{b_suffix}", pair.param), pair.b);
         }
         Ok(out)
     }
@@ -164,8 +204,8 @@ where
     }
 }
 
-/// Fuses `pair` (PEFT layout) into `weights` with the workspace's one LoRA
-/// arithmetic, naming the block and parameter when it does not fit.
+/// Fuses `pair` into `weights` with the workspace's one LoRA arithmetic (of
+/// the pair's layout), naming the block and parameter when it does not fit.
 fn fuse_pair(
     block: usize,
     pair: &LoraPair,
@@ -177,7 +217,7 @@ fn fuse_pair(
         a: &pair.a,
         b: &pair.b,
         scale: strength,
-        layout: LoraLayout::Peft,
+        layout: pair.layout,
     };
     fuse_lora(weights, quant, lora).map_err(|e| match e {
         mlx_support::Error::Mlx(e) => Error::Mlx(e),
@@ -187,6 +227,45 @@ fn fuse_pair(
             message: other.to_string(),
         },
     })
+}
+
+/// Replaces `{param}.weight` in `weights` by its fused dense form.
+fn fuse_dense(
+    weights: &mut Vec<(String, Array)>,
+    block: usize,
+    pair: &LoraPair,
+    strength: f32,
+) -> Result<()> {
+    let name = format!("{}.weight", pair.param);
+    let w = take(weights, &name, block, &pair.param)?;
+    let fused = fuse_pair(block, pair, strength, &LinearWeights::dense(w), None)?;
+    weights.push((name, fused.weight));
+    Ok(())
+}
+
+/// Replaces `{param}.weight`, `.scales` and `.biases` in `weights`:
+/// dequantized with `q`, adapted, requantized.
+fn fuse_quantized(
+    weights: &mut Vec<(String, Array)>,
+    block: usize,
+    pair: &LoraPair,
+    strength: f32,
+    q: Quantization,
+) -> Result<()> {
+    let names = ["weight", "scales", "biases"].map(|p| format!("{}.{p}", pair.param));
+    let stored = LinearWeights {
+        weight: take(weights, &names[0], block, &pair.param)?,
+        scales: Some(take(weights, &names[1], block, &pair.param)?),
+        biases: Some(take(weights, &names[2], block, &pair.param)?),
+    };
+    let fused = fuse_pair(block, pair, strength, &stored, Some(q))?;
+    let parts = [
+        fused.weight,
+        fused.scales.expect("quantized"),
+        fused.biases.expect("kept"),
+    ];
+    weights.extend(names.into_iter().zip(parts));
+    Ok(())
 }
 
 fn take(
@@ -208,7 +287,8 @@ fn take(
 
 /// Dense LoRA: `W' = W + strength · (B @ A)` for `A` (rank, in) and `B`
 /// (out, rank), the diffusers/ComfyUI layout, computed in f32 and cast back
-/// to `W`'s dtype. Several sources add up.
+/// to `W`'s dtype (an mlx_lm source's pairs with mlx_lm's arithmetic).
+/// Several sources add up.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DenseLoraFuser;
 
@@ -221,16 +301,7 @@ impl LoraFuser for DenseLoraFuser {
     ) -> Result<Vec<(String, Array)>> {
         for source in sources {
             for pair in source.pairs(block)? {
-                let name = format!("{}.weight", pair.param);
-                let w = take(&mut weights, &name, block, &pair.param)?;
-                let fused = fuse_pair(
-                    block,
-                    &pair,
-                    source.strength(),
-                    &LinearWeights::dense(w),
-                    None,
-                )?;
-                weights.push((name, fused.weight));
+                fuse_dense(&mut weights, block, &pair, source.strength())?;
             }
         }
         Ok(weights)
@@ -255,25 +326,64 @@ impl LoraFuser for QuantizedLoraFuser {
         mut weights: Vec<(String, Array)>,
         sources: &[&BlockLoraSource],
     ) -> Result<Vec<(String, Array)>> {
+        let q = Quantization {
+            group_size: self.group_size,
+            bits: self.bits,
+        };
         for source in sources {
             for pair in source.pairs(block)? {
-                let names = ["weight", "scales", "biases"].map(|p| format!("{}.{p}", pair.param));
-                let stored = LinearWeights {
-                    weight: take(&mut weights, &names[0], block, &pair.param)?,
-                    scales: Some(take(&mut weights, &names[1], block, &pair.param)?),
-                    biases: Some(take(&mut weights, &names[2], block, &pair.param)?),
-                };
-                let q = Quantization {
-                    group_size: self.group_size,
-                    bits: self.bits,
-                };
-                let fused = fuse_pair(block, &pair, source.strength(), &stored, Some(q))?;
-                let parts = [
-                    fused.weight,
-                    fused.scales.expect("quantized"),
-                    fused.biases.expect("kept"),
-                ];
-                weights.extend(names.into_iter().zip(parts));
+                fuse_quantized(&mut weights, block, &pair, source.strength(), q)?;
+            }
+        }
+        Ok(weights)
+    }
+}
+
+/// LoRA for an mlx_lm checkpoint's blocks, dense or affine-quantized module
+/// by module as the block holds them: a module with `{param}.scales` is
+/// dequantized, adapted and requantized with its own group size and bits
+/// from the checkpoint's `quantization` config (mixed-precision checkpoints
+/// quantize modules differently), any other is adapted dense.
+#[derive(Debug, Clone)]
+pub struct CheckpointLoraFuser {
+    prefix: BlockPrefix,
+    quantization: QuantizationConfig,
+}
+
+impl CheckpointLoraFuser {
+    /// Modules are looked up in `quantization` by their path
+    /// `{block_prefix}{i}.{param}` (e.g. `model.layers.3.mlp.up_proj`).
+    pub fn new(block_prefix: &str, quantization: QuantizationConfig) -> CheckpointLoraFuser {
+        CheckpointLoraFuser {
+            prefix: BlockPrefix::new(block_prefix),
+            quantization,
+        }
+    }
+}
+
+impl LoraFuser for CheckpointLoraFuser {
+    fn fuse(
+        &self,
+        block: usize,
+        mut weights: Vec<(String, Array)>,
+        sources: &[&BlockLoraSource],
+    ) -> Result<Vec<(String, Array)>> {
+        for source in sources {
+            for pair in source.pairs(block)? {
+                let scales = format!("{}.scales", pair.param);
+                if !weights.iter().any(|(n, _)| *n == scales) {
+                    fuse_dense(&mut weights, block, &pair, source.strength())?;
+                    continue;
+                }
+                let module = self.prefix.key(block, &pair.param);
+                let q = self.quantization.of(&module).ok_or_else(|| Error::Lora {
+                    block,
+                    param: pair.param.clone(),
+                    message: format!(
+                        "{module} is quantized in the weights but the quantization config does not cover it"
+                    ),
+                })?;
+                fuse_quantized(&mut weights, block, &pair, source.strength(), q)?;
             }
         }
         Ok(weights)

@@ -285,11 +285,20 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
     let quantized = config
         .quantized
         .unwrap_or_else(|| QuantizedWeights::for_device(device));
-    let memory = config
-        .memory
-        .unwrap_or_else(|| MemoryMode::for_model_dir(&config.model_dir));
+    let memory = match (config.memory, config.lora.is_empty()) {
+        (Some(memory), true) => memory,
+        (None, true) => MemoryMode::for_model_dir(&config.model_dir),
+        (None | Some(MemoryMode::Streamed), false) => MemoryMode::Streamed,
+        (Some(other), false) => {
+            return Err(EngineError::InvalidConfig(format!(
+                "LoRA on the fly needs MemoryMode::Streamed, not {other:?} \
+                 (fuse the adapter into the folder with adapter-fuse instead)"
+            )))
+        }
+    };
     tracing::info!(?memory, ?quantized, "loading the model");
-    let model = Model::load_with(&config.model_dir, quantized, memory).map_err(err)?;
+    let model =
+        Model::load_with_lora(&config.model_dir, quantized, memory, config.lora).map_err(err)?;
     let tokenizer = Tokenizer::load(&config.model_dir).map_err(err)?;
     let processor = config.logits_processor_factory.map(|f| f(&tokenizer));
     let max_prompt_tokens = config.max_prompt_tokens.unwrap_or_else(|| {

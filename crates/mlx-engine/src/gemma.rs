@@ -13,7 +13,6 @@
 use mlx_rs::fast;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{clip, tanh};
-use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 
 use crate::attention::attention;
@@ -251,6 +250,11 @@ impl Gemma {
     }
 
     /// The final norm, the output head and Gemma 4's softcap.
+    /// Whether the layers are read from the files at each forward.
+    pub(crate) fn streams_layers(&self) -> bool {
+        self.layers.streamed()
+    }
+
     pub(crate) fn head(&self, config: &ModelConfig, x: &Array) -> Result<Array> {
         let spec = &self.spec;
         let x = fast::rms_norm(x, Some(&self.norm), config.rms_norm_eps)?;
@@ -267,14 +271,39 @@ impl Gemma {
         })
     }
 
-    /// The last layer's output `(B, L, hidden)` before the final norm;
-    /// extends `cache`.
-    pub(crate) fn hidden(
+    /// The last layer's outputs `(B, L, hidden)` before the final norm, of
+    /// each of the independent forwards of `tokens` over `caches` (one
+    /// cache each, extended); layer by layer (see [`Layers::run`]).
+    pub(crate) fn hidden_each(
+        &self,
+        c: &ModelConfig,
+        tokens: &[Array],
+        caches: &mut [KvCache],
+    ) -> Result<Vec<Array>> {
+        let mut passes = tokens
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(tokens, cache)| self.begin(c, tokens, cache))
+            .collect::<Result<Vec<_>>>()?;
+        self.layers.run(&mut passes, |i, layer, pass| {
+            layer.forward(c, &self.spec, i, pass)
+        })?;
+        passes
+            .into_iter()
+            .map(|pass| {
+                pass.cache.advance(pass.l)?;
+                Ok(pass.h)
+            })
+            .collect()
+    }
+
+    /// A forward of `tokens` over `cache`, before its first layer.
+    fn begin<'c>(
         &self,
         c: &ModelConfig,
         tokens: &Array,
-        cache: &mut KvCache,
-    ) -> Result<Array> {
+        cache: &'c mut KvCache,
+    ) -> Result<Pass<'c>> {
         let spec = &self.spec;
         let (b, l) = (tokens.dim(0), tokens.dim(1));
         let embedded = self.embed.lookup(tokens)?;
@@ -286,7 +315,7 @@ impl Gemma {
                 .as_dtype(dtype)?,
             Version::Four => scalar((c.hidden_size as f64).sqrt(), dtype)?,
         };
-        let mut h = embedded.multiply(&hidden_scale)?;
+        let h = embedded.multiply(&hidden_scale)?;
         let per_layer_inputs = match &self.per_layer {
             Some(ple) => Some(self.per_layer_inputs(c, spec, ple, tokens, &h)?),
             None => None,
@@ -306,113 +335,17 @@ impl Gemma {
         let has = |sliding: bool| spec.layers.iter().any(|s| s.sliding == sliding);
         let sliding_mask = has(true).then(|| mask_of(true));
         let full_mask = has(false).then(|| mask_of(false));
-        let positions = Positions::of(cache);
-        let heads = c.num_attention_heads as i32;
-        let kv_heads = c.kv_heads() as i32;
-        let mut kvs: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
-        for (i, s) in spec.layers.iter().enumerate().take(self.layers.len()) {
-            let layer = self.layers.get(i)?;
-            let hd = s.head_dim as i32;
-            let mask = if s.sliding { &sliding_mask } else { &full_mask };
-            let mask = mask.as_ref().expect("made for every type present");
-            let x = fast::rms_norm(&h, Some(&layer.input_norm), c.rms_norm_eps)?;
-            let split = |a: Array, n: i32| -> Result<Array> { Ok(a.reshape(&[b, l, n, hd])?) };
-            let rope = |x: &Array| -> Result<Array> {
-                positions.rope(
-                    x,
-                    hd,
-                    c.rope_traditional,
-                    s.rope.base,
-                    s.rope.scale,
-                    layer.freqs.as_ref(),
-                )
-            };
-            let a = &layer.attention;
-            let q = fast::rms_norm(
-                &split(a.q.forward(&x)?, heads)?,
-                Some(&a.q_norm),
-                c.rms_norm_eps,
-            )?;
-            let q = rope(&q.transpose_axes(&[0, 2, 1, 3])?)?;
-            let (keys, values) = match &a.kv {
-                Some((k_proj, v_proj, k_norm)) => {
-                    let k = fast::rms_norm(
-                        &split(k_proj.forward(&x)?, kv_heads)?,
-                        Some(k_norm),
-                        c.rms_norm_eps,
-                    )?;
-                    let k = rope(&k.transpose_axes(&[0, 2, 1, 3])?)?;
-                    let mut v = split(v_proj.forward(&x)?, kv_heads)?;
-                    if spec.version == Version::Four {
-                        v = fast::rms_norm(&v, None, c.rms_norm_eps)?;
-                    }
-                    let v = v.transpose_axes(&[0, 2, 1, 3])?;
-                    let window = s.sliding.then_some(window);
-                    let kv = cache.append(i, k, v, window)?;
-                    kvs[i] = Some(kv.clone());
-                    kv
-                }
-                None => kvs[s.kv_source].clone().ok_or_else(|| {
-                    Error::Cache(format!(
-                        "layer {i} reads the keys of layer {} before they exist",
-                        s.kv_source
-                    ))
-                })?,
-            };
-            let attended = attention(
-                &q,
-                cache.shared(s.kv_source),
-                (&keys, &values),
-                mask,
-                spec.attention_scale,
-            )?;
-            let attended = attended
-                .transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[b, l, heads * hd])?;
-            let out = fast::rms_norm(
-                &a.o.forward(&attended)?,
-                Some(&layer.post_attention_norm),
-                c.rms_norm_eps,
-            )?;
-            h = residual_add(spec.version, &h, &out)?;
-            let x = fast::rms_norm(&h, Some(&layer.pre_feedforward_norm), c.rms_norm_eps)?;
-            let gated = gelu_tanh(&layer.gate.forward(&x)?)?.multiply(layer.up.forward(&x)?)?;
-            let out = fast::rms_norm(
-                &layer.down.forward(&gated)?,
-                Some(&layer.post_feedforward_norm),
-                c.rms_norm_eps,
-            )?;
-            h = residual_add(spec.version, &h, &out)?;
-            if let (Some(pli), Some(inputs)) = (&layer.per_layer_input, &per_layer_inputs) {
-                let gate = gelu_tanh(&pli.gate.forward(&h)?)?.multiply(inputs.index((
-                    ..,
-                    ..,
-                    i as i32,
-                    ..,
-                )))?;
-                let out = fast::rms_norm(
-                    &pli.projection.forward(&gate)?,
-                    Some(&pli.norm),
-                    c.rms_norm_eps,
-                )?;
-                h = h.add(&out)?;
-            }
-            if let Some(scalar) = &layer.scalar {
-                h = h.multiply(scalar)?;
-            }
-            if self.layers.streamed() {
-                // Everything that reads this layer's weights, computed
-                // before they go (a KV-shared layer's keys were computed
-                // with their own layer).
-                let mut outputs = vec![&h];
-                if let (Some(_), Some((k, v))) = (&a.kv, &kvs[i]) {
-                    outputs.extend([k, v]);
-                }
-                eval(outputs)?;
-            }
-        }
-        cache.advance(l)?;
-        Ok(h)
+        Ok(Pass {
+            h,
+            per_layer_inputs,
+            sliding_mask,
+            full_mask,
+            positions: Positions::of(cache),
+            kvs: vec![None; spec.layers.len()],
+            b,
+            l,
+            cache,
+        })
     }
 
     /// Gemma 4's per-layer inputs `(B, L, layers, width)`: the table's rows
@@ -442,6 +375,138 @@ impl Gemma {
         let projected = fast::rms_norm(&projected, Some(&ple.norm), c.rms_norm_eps)?;
         let sum = projected.add(&rows)?;
         Ok(sum.multiply(scalar(0.5f64.sqrt(), sum.dtype())?)?)
+    }
+}
+
+/// One forward in progress: the hidden state after the layers so far, and
+/// what every layer of it reads.
+struct Pass<'c> {
+    h: Array,
+    per_layer_inputs: Option<Array>,
+    sliding_mask: Option<LayerMask>,
+    full_mask: Option<LayerMask>,
+    positions: Positions,
+    /// Each layer's keys and values, for the layers that share them.
+    kvs: Vec<Option<(Array, Array)>>,
+    b: i32,
+    l: i32,
+    cache: &'c mut KvCache,
+}
+
+impl Layer {
+    /// Layer `i` over `p`; returns what it computed from the weights (the
+    /// new hidden state, and the keys and values of a layer that owns
+    /// them).
+    fn forward(
+        &self,
+        c: &ModelConfig,
+        spec: &GemmaSpec,
+        i: usize,
+        p: &mut Pass<'_>,
+    ) -> Result<Vec<Array>> {
+        let s = &spec.layers[i];
+        let (b, l) = (p.b, p.l);
+        let heads = c.num_attention_heads as i32;
+        let kv_heads = c.kv_heads() as i32;
+        let hd = s.head_dim as i32;
+        let window = spec.window as i32;
+        let mask = if s.sliding {
+            &p.sliding_mask
+        } else {
+            &p.full_mask
+        };
+        let mask = mask.as_ref().expect("made for every type present");
+        let x = fast::rms_norm(&p.h, Some(&self.input_norm), c.rms_norm_eps)?;
+        let split = |a: Array, n: i32| -> Result<Array> { Ok(a.reshape(&[b, l, n, hd])?) };
+        let positions = &p.positions;
+        let rope = |x: &Array| -> Result<Array> {
+            positions.rope(
+                x,
+                hd,
+                c.rope_traditional,
+                s.rope.base,
+                s.rope.scale,
+                self.freqs.as_ref(),
+            )
+        };
+        let a = &self.attention;
+        let q = fast::rms_norm(
+            &split(a.q.forward(&x)?, heads)?,
+            Some(&a.q_norm),
+            c.rms_norm_eps,
+        )?;
+        let q = rope(&q.transpose_axes(&[0, 2, 1, 3])?)?;
+        let mut outputs = Vec::with_capacity(3);
+        let (keys, values) = match &a.kv {
+            Some((k_proj, v_proj, k_norm)) => {
+                let k = fast::rms_norm(
+                    &split(k_proj.forward(&x)?, kv_heads)?,
+                    Some(k_norm),
+                    c.rms_norm_eps,
+                )?;
+                let k = rope(&k.transpose_axes(&[0, 2, 1, 3])?)?;
+                let mut v = split(v_proj.forward(&x)?, kv_heads)?;
+                if spec.version == Version::Four {
+                    v = fast::rms_norm(&v, None, c.rms_norm_eps)?;
+                }
+                let v = v.transpose_axes(&[0, 2, 1, 3])?;
+                let window = s.sliding.then_some(window);
+                let kv = p.cache.append(i, k, v, window)?;
+                p.kvs[i] = Some(kv.clone());
+                outputs.extend([kv.0.clone(), kv.1.clone()]);
+                kv
+            }
+            None => p.kvs[s.kv_source].clone().ok_or_else(|| {
+                Error::Cache(format!(
+                    "layer {i} reads the keys of layer {} before they exist",
+                    s.kv_source
+                ))
+            })?,
+        };
+        let attended = attention(
+            &q,
+            p.cache.shared(s.kv_source),
+            (&keys, &values),
+            mask,
+            spec.attention_scale,
+        )?;
+        let attended = attended
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[b, l, heads * hd])?;
+        let out = fast::rms_norm(
+            &a.o.forward(&attended)?,
+            Some(&self.post_attention_norm),
+            c.rms_norm_eps,
+        )?;
+        let mut h = residual_add(spec.version, &p.h, &out)?;
+        let x = fast::rms_norm(&h, Some(&self.pre_feedforward_norm), c.rms_norm_eps)?;
+        let gated = gelu_tanh(&self.gate.forward(&x)?)?.multiply(self.up.forward(&x)?)?;
+        let out = fast::rms_norm(
+            &self.down.forward(&gated)?,
+            Some(&self.post_feedforward_norm),
+            c.rms_norm_eps,
+        )?;
+        h = residual_add(spec.version, &h, &out)?;
+        if let (Some(pli), Some(inputs)) = (&self.per_layer_input, &p.per_layer_inputs) {
+            let gate = gelu_tanh(&pli.gate.forward(&h)?)?.multiply(inputs.index((
+                ..,
+                ..,
+                i as i32,
+                ..,
+            )))?;
+            let out = fast::rms_norm(
+                &pli.projection.forward(&gate)?,
+                Some(&pli.norm),
+                c.rms_norm_eps,
+            )?;
+            h = h.add(&out)?;
+        }
+        if let Some(scalar) = &self.scalar {
+            h = h.multiply(scalar)?;
+        }
+        p.h = h;
+        outputs.push(p.h.clone());
+        Ok(outputs)
     }
 }
 

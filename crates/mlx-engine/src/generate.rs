@@ -257,10 +257,25 @@ fn generate_chunk(
     let mut parts = Vec::new();
     let mut lasts = Vec::new();
     let prefill_span = tracing::debug_span!("prefill", rows = b).entered();
-    for group in prefill_groups(&lengths, model.pass_cost_tokens()) {
-        let (cache, last) = prefill(model, &state.prefix_cache, &rows[group])?;
-        parts.push(cache);
-        lasts.push(last);
+    let groups = prefill_groups(&lengths, model.pass_cost_tokens());
+    let one_piece =
+        |g: &std::ops::Range<usize>| lengths[g.clone()].iter().all(|&n| n <= PREFILL_CHUNK);
+    if model.streams_layers() && groups.iter().all(one_piece) {
+        // Every group in one forward, layer by layer: each streamed layer
+        // is read once for the whole chunk.
+        let mut blocks = Vec::with_capacity(groups.len());
+        for group in &groups {
+            let mut cache = state.prefix_cache.fork(group.len() as i32)?;
+            blocks.push(padded_block(&mut cache, &rows[group.clone()])?);
+            parts.push(cache);
+        }
+        lasts = model.forward_last_each(&blocks, &mut parts)?;
+    } else {
+        for group in groups {
+            let (cache, last) = prefill(model, &state.prefix_cache, &rows[group])?;
+            parts.push(cache);
+            lasts.push(last);
+        }
     }
     drop(prefill_span);
     let _decode_span = tracing::debug_span!("decode", rows = b, max_tokens).entered();
@@ -321,10 +336,9 @@ fn prefill(model: &Model, prefix: &KvCache, rows: &[&[u32]]) -> crate::Result<(K
     Ok((cache, last))
 }
 
-/// Runs `rows`, left-padded to the longest, after what `cache` holds (its
-/// pads are set here), [`PREFILL_CHUNK`] positions at a time; returns the
-/// logits of each row's last position.
-fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::Result<Array> {
+/// `rows` left-padded to the longest, `(rows, width)`; `cache`'s pads are
+/// set to match.
+fn padded_block(cache: &mut KvCache, rows: &[&[u32]]) -> crate::Result<Array> {
     let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
     let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
     let mut block = Vec::with_capacity(rows.len() * width);
@@ -332,8 +346,19 @@ fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::R
         block.extend(std::iter::repeat_n(0i32, pad));
         block.extend(row.iter().map(|&t| t as i32));
     }
-    let block = Array::from_slice(&block, &[rows.len() as i32, width as i32]);
     cache.set_pads(pads.iter().map(|&p| p as i32).collect())?;
+    Ok(Array::from_slice(
+        &block,
+        &[rows.len() as i32, width as i32],
+    ))
+}
+
+/// Runs `rows`, left-padded to the longest, after what `cache` holds (its
+/// pads are set here), [`PREFILL_CHUNK`] positions at a time; returns the
+/// logits of each row's last position.
+fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::Result<Array> {
+    let block = padded_block(cache, rows)?;
+    let width = block.dim(1) as usize;
     let mut start = 0;
     loop {
         let end = (start + PREFILL_CHUNK).min(width);

@@ -14,7 +14,8 @@ use std::ops::Deref;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use block_stream::BlockStreamer;
+use block_stream::{BlockLoraSource, BlockStreamer, CheckpointLoraFuser};
+use mlx_rs::transforms::eval;
 use mlx_rs::Array;
 use mlx_support::QuantizationConfig;
 use st_mmap::{BlockPrefix, SafetensorsSet};
@@ -39,6 +40,7 @@ pub(crate) struct Stream<L> {
     set: Arc<SafetensorsSet>,
     quant: QuantizationConfig,
     mode: QuantizedWeights,
+    lora: Arc<Vec<BlockLoraSource>>,
     count: usize,
     load: LoadLayer<L>,
 }
@@ -78,7 +80,8 @@ impl<L> Layers<L> {
             ));
         }
         let streamer = BlockStreamer::new(w.set.files().iter().map(|f| f.path()), prefix)
-            .map_err(|e| stream_error(w.dir, e))?;
+            .map_err(|e| stream_error(w.dir, e))?
+            .with_fuser(CheckpointLoraFuser::new(prefix, w.quant.clone()));
         let stream = Stream {
             streamer: Mutex::new(streamer),
             prefix: BlockPrefix::new(prefix),
@@ -86,6 +89,7 @@ impl<L> Layers<L> {
             set: w.set.clone(),
             quant: w.quant.clone(),
             mode: w.mode,
+            lora: w.lora.clone(),
             count,
             load: Box::new(load),
         };
@@ -95,21 +99,46 @@ impl<L> Layers<L> {
         Ok(Layers::Streamed(Box::new(stream)))
     }
 
-    /// Whether a forward must evaluate each layer's outputs before the
-    /// next layer is built, so that the layer's weights can be freed.
+    /// Whether the layers are read from the files at each forward.
     pub(crate) fn streamed(&self) -> bool {
         matches!(self, Layers::Streamed(_))
     }
 
-    pub(crate) fn len(&self) -> usize {
+    fn len(&self) -> usize {
         match self {
             Layers::Resident(layers) => layers.len(),
             Layers::Streamed(stream) => stream.count,
         }
     }
 
+    /// Runs every layer over each of `passes` (forwards independent of
+    /// each other, e.g. the prefill groups of a chunk, each with its own
+    /// cache): `step(i, layer, pass)` applies layer `i` to one pass and
+    /// returns what it computed from the layer's weights. Layer by layer:
+    /// streamed, each layer is read once for all the passes, and each
+    /// pass's outputs are evaluated before the next pass runs (so only one
+    /// pass's activations exist at a time) and before the layer goes;
+    /// resident, the steps only build the lazy graph, which the caller
+    /// evaluates.
+    pub(crate) fn run<P>(
+        &self,
+        passes: &mut [P],
+        mut step: impl FnMut(usize, &L, &mut P) -> Result<Vec<Array>>,
+    ) -> Result<()> {
+        for i in 0..self.len() {
+            let layer = self.get(i)?;
+            for pass in passes.iter_mut() {
+                let outputs = step(i, &layer, pass)?;
+                if self.streamed() {
+                    eval(&outputs)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Layer `i`, for one forward.
-    pub(crate) fn get(&self, i: usize) -> Result<LayerRef<'_, L>> {
+    fn get(&self, i: usize) -> Result<LayerRef<'_, L>> {
         match self {
             Layers::Resident(layers) => Ok(LayerRef::Borrowed(&layers[i])),
             Layers::Streamed(stream) => Ok(LayerRef::Owned(stream.layer(i)?)),
@@ -118,15 +147,17 @@ impl<L> Layers<L> {
 }
 
 impl<L> Stream<L> {
-    /// Layer `i` built from its block's lazy loads.
+    /// Layer `i` built from its block's lazy loads, adapted by the LoRA
+    /// sources.
     fn layer(&self, i: usize) -> Result<L> {
+        let sources: Vec<&BlockLoraSource> = self.lora.iter().collect();
         let weights = self
             .streamer
             .lock()
             // A panic while it was held left no half-made state behind: the
             // streamer's only mutable state is a cache of lazy loads.
             .unwrap_or_else(PoisonError::into_inner)
-            .block_weights(i, &[])
+            .block_weights(i, &sources)
             .map_err(|e| stream_error(&self.dir, e))?;
         let block: HashMap<String, Array> = weights
             .into_iter()
@@ -139,6 +170,7 @@ impl<L> Stream<L> {
             mode: self.mode,
             memory: MemoryMode::Streamed,
             streamed: Some(&block),
+            lora: &self.lora,
         };
         (self.load)(&w, i)
     }

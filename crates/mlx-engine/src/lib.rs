@@ -103,6 +103,7 @@ mod tokenizer;
 mod unpack;
 mod weights;
 
+pub use block_stream::BlockLoraSource;
 pub use cache::KvCache;
 pub use config::{ModelConfig, SUPPORTED};
 pub use engine::{MlxEngine, Reply, Worker};

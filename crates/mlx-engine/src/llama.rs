@@ -2,11 +2,10 @@
 //! mlx-rs.
 
 use mlx_rs::fast;
-use mlx_rs::transforms::eval;
 use mlx_rs::Array;
 
 use crate::attention::attention;
-use crate::cache::KvCache;
+use crate::cache::{KvCache, LayerMask};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::fused::silu_mul;
@@ -93,6 +92,11 @@ impl Llama {
     }
 
     /// The final norm and the output projection (or the tied embedding).
+    /// Whether the layers are read from the files at each forward.
+    pub(crate) fn streams_layers(&self) -> bool {
+        self.layers.streamed()
+    }
+
     pub(crate) fn head(&self, config: &ModelConfig, x: &Array) -> Result<Array> {
         let x = fast::rms_norm(x, Some(&self.norm), config.rms_norm_eps)?;
         match &self.lm_head {
@@ -101,58 +105,88 @@ impl Llama {
         }
     }
 
-    /// The last decoder layer's output `(B, L, hidden)`, before the final
-    /// norm; extends `cache`.
-    pub(crate) fn hidden(
+    /// The last decoder layer's outputs `(B, L, hidden)`, before the final
+    /// norm, of each of the independent forwards of `tokens` over `caches`
+    /// (one cache each, extended); layer by layer (see [`Layers::run`]).
+    pub(crate) fn hidden_each(
         &self,
         c: &ModelConfig,
-        tokens: &Array,
-        cache: &mut KvCache,
-    ) -> Result<Array> {
-        let (b, l) = (tokens.dim(0), tokens.dim(1));
+        tokens: &[Array],
+        caches: &mut [KvCache],
+    ) -> Result<Vec<Array>> {
+        let mut passes = tokens
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(tokens, cache)| {
+                let l = tokens.dim(1);
+                Ok(Pass {
+                    x: self.embed.lookup(tokens)?,
+                    mask: cache.mask(0, l, None),
+                    positions: Positions::of(cache),
+                    b: tokens.dim(0),
+                    l,
+                    cache,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.layers
+            .run(&mut passes, |i, layer, pass| layer.forward(c, i, pass))?;
+        passes
+            .into_iter()
+            .map(|pass| {
+                pass.cache.advance(pass.l)?;
+                Ok(pass.x)
+            })
+            .collect()
+    }
+}
+
+/// One forward in progress: the hidden state after the layers so far.
+struct Pass<'c> {
+    x: Array,
+    mask: LayerMask,
+    positions: Positions,
+    b: i32,
+    l: i32,
+    cache: &'c mut KvCache,
+}
+
+impl Layer {
+    /// Layer `i` over `p`; returns what it computed from the weights (the
+    /// new hidden state and this layer's keys and values).
+    fn forward(&self, c: &ModelConfig, i: usize, p: &mut Pass<'_>) -> Result<Vec<Array>> {
+        let (b, l) = (p.b, p.l);
         let (heads, kv_heads, hd) = (
             c.num_attention_heads as i32,
             c.kv_heads() as i32,
             c.head_dim() as i32,
         );
-        let mask = cache.mask(0, l, None);
-        let positions = Positions::of(cache);
-        let mut x = self.embed.lookup(tokens)?;
         let scale = (hd as f32).powf(-0.5);
-        for i in 0..self.layers.len() {
-            let layer = self.layers.get(i)?;
-            let h = fast::rms_norm(&x, Some(&layer.input_norm), c.rms_norm_eps)?;
-            let split = |a: Array, n: i32| -> Result<Array> {
-                Ok(a.reshape(&[b, l, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
-            };
-            let mut q = split(layer.q.forward(&h)?, heads)?;
-            let mut k = split(layer.k.forward(&h)?, kv_heads)?;
-            let v = split(layer.v.forward(&h)?, kv_heads)?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
-                k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
-            }
-            let rope = |x: &Array| {
-                positions.rope(x, hd, c.rope_traditional, Some(c.rope_theta), 1.0, None)
-            };
-            let (q, k) = (rope(&q)?, rope(&k)?);
-            let (k, v) = cache.append(i, k, v, None)?;
-            let streamed = self.layers.streamed().then(|| [k.clone(), v.clone()]);
-            let attended = attention(&q, cache.shared(i), (&k, &v), &mask, scale)?;
-            let attended = attended
-                .transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[b, l, heads * hd])?;
-            let x1 = x.add(layer.o.forward(&attended)?)?;
-            let h = fast::rms_norm(&x1, Some(&layer.post_norm), c.rms_norm_eps)?;
-            let gated = silu_mul(&layer.gate.forward(&h)?, &layer.up.forward(&h)?)?;
-            x = x1.add(layer.down.forward(&gated)?)?;
-            if let Some([k, v]) = streamed {
-                // Everything that reads this layer's weights, computed
-                // before they go.
-                eval([&x, &k, &v])?;
-            }
+        let h = fast::rms_norm(&p.x, Some(&self.input_norm), c.rms_norm_eps)?;
+        let split = |a: Array, n: i32| -> Result<Array> {
+            Ok(a.reshape(&[b, l, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
+        };
+        let mut q = split(self.q.forward(&h)?, heads)?;
+        let mut k = split(self.k.forward(&h)?, kv_heads)?;
+        let v = split(self.v.forward(&h)?, kv_heads)?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
+            k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
         }
-        cache.advance(l)?;
-        Ok(x)
+        let rope = |x: &Array| {
+            p.positions
+                .rope(x, hd, c.rope_traditional, Some(c.rope_theta), 1.0, None)
+        };
+        let (q, k) = (rope(&q)?, rope(&k)?);
+        let (k, v) = p.cache.append(i, k, v, None)?;
+        let attended = attention(&q, p.cache.shared(i), (&k, &v), &p.mask, scale)?;
+        let attended = attended
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[b, l, heads * hd])?;
+        let x1 = p.x.add(self.o.forward(&attended)?)?;
+        let h = fast::rms_norm(&x1, Some(&self.post_norm), c.rms_norm_eps)?;
+        let gated = silu_mul(&self.gate.forward(&h)?, &self.up.forward(&h)?)?;
+        p.x = x1.add(self.down.forward(&gated)?)?;
+        Ok(vec![p.x.clone(), k, v])
     }
 }

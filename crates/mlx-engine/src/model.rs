@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use block_stream::BlockLoraSource;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use st_mmap::SafetensorsSet;
@@ -47,8 +48,29 @@ impl Model {
 
     /// Loads `dir`, its weights held as `memory` says.
     pub fn load_with(dir: &Path, quantized: QuantizedWeights, memory: MemoryMode) -> Result<Model> {
+        Model::load_with_lora(dir, quantized, memory, Vec::new())
+    }
+
+    /// Loads `dir` with `memory` [`MemoryMode::Streamed`], each layer
+    /// adapted by `lora` as it is read (see `EngineConfig::lora`); with no
+    /// sources, [`load_with`](Self::load_with). Sources for another mode
+    /// are [`Error::Config`]: the adapter is fused into the layers only
+    /// when they are streamed.
+    pub fn load_with_lora(
+        dir: &Path,
+        quantized: QuantizedWeights,
+        memory: MemoryMode,
+        lora: Vec<BlockLoraSource>,
+    ) -> Result<Model> {
+        if !lora.is_empty() && memory != MemoryMode::Streamed {
+            return Err(Error::Config {
+                path: dir.to_path_buf(),
+                message: format!("LoRA on the fly needs MemoryMode::Streamed, not {memory:?}"),
+            });
+        }
         let config = ModelConfig::load(dir)?;
         let set = Arc::new(SafetensorsSet::open_dir(dir)?);
+        let lora = Arc::new(lora);
         let w = Weights {
             dir,
             set: &set,
@@ -56,6 +78,7 @@ impl Model {
             mode: quantized,
             memory,
             streamed: None,
+            lora: &lora,
         };
         let layers_prefix = match &config.gemma {
             Some(spec) => format!("{}layers.", KeyPrefixes::find(spec, &w)?.text),
@@ -84,15 +107,9 @@ impl Model {
         // f32 before each product (~250 M/s) is worth about 400.
         let unpacks = quantized == QuantizedWeights::DequantizeOnUse
             && config.quantization != mlx_support::QuantizationConfig::none();
-        // A streamed layer is read from the files again at every forward
-        // (~2 GB/s from the page cache, and copied once more when the
-        // weights are laid out for the product): about as costly as
-        // unpacking.
-        let pass_cost_tokens = if unpacks || memory == MemoryMode::Streamed {
-            400
-        } else {
-            40
-        };
+        // (Streamed layers are read once per chunk, whatever its groups:
+        // see `forward_last_each`.)
+        let pass_cost_tokens = if unpacks { 400 } else { 40 };
         Ok(Model {
             config,
             decoder,
@@ -134,9 +151,38 @@ impl Model {
     }
 
     fn hidden(&self, tokens: &Array, cache: &mut KvCache) -> Result<Array> {
+        let mut each =
+            self.hidden_each(std::slice::from_ref(tokens), std::slice::from_mut(cache))?;
+        Ok(each.remove(0))
+    }
+
+    /// [`forward_last`](Self::forward_last) of independent forwards, one
+    /// per cache (e.g. a chunk's prefill groups): the same logits as
+    /// calling it for each, but with [`MemoryMode::Streamed`] each layer is
+    /// read once for all of them.
+    pub(crate) fn forward_last_each(
+        &self,
+        tokens: &[Array],
+        caches: &mut [KvCache],
+    ) -> Result<Vec<Array>> {
+        self.hidden_each(tokens, caches)?
+            .iter()
+            .map(|x| self.head(&x.index((.., -1, ..))))
+            .collect()
+    }
+
+    /// Whether the layers are read from the files at each forward.
+    pub(crate) fn streams_layers(&self) -> bool {
         match &self.decoder {
-            Decoder::Gemma(g) => g.hidden(&self.config, tokens, cache),
-            Decoder::Llama(m) => m.hidden(&self.config, tokens, cache),
+            Decoder::Gemma(g) => g.streams_layers(),
+            Decoder::Llama(m) => m.streams_layers(),
+        }
+    }
+
+    fn hidden_each(&self, tokens: &[Array], caches: &mut [KvCache]) -> Result<Vec<Array>> {
+        match &self.decoder {
+            Decoder::Gemma(g) => g.hidden_each(&self.config, tokens, caches),
+            Decoder::Llama(m) => m.hidden_each(&self.config, tokens, caches),
         }
     }
 

@@ -59,6 +59,7 @@ pub struct EngineConfig {
     pub(crate) worker_name: String,
     pub(crate) quantized: Option<QuantizedWeights>,
     pub(crate) memory: Option<MemoryMode>,
+    pub(crate) lora: Vec<block_stream::BlockLoraSource>,
     pub(crate) max_prompt_tokens: Option<usize>,
     pub(crate) special_tokens: SpecialTokens,
 }
@@ -78,6 +79,7 @@ impl EngineConfig {
             worker_name: "mlx-engine".to_owned(),
             quantized: None,
             memory: None,
+            lora: Vec::new(),
             max_prompt_tokens: None,
             special_tokens: SpecialTokens::AsText,
         }
@@ -122,6 +124,20 @@ impl EngineConfig {
     /// [`mlx_support::memory_limit`]).
     pub fn memory(mut self, memory: MemoryMode) -> EngineConfig {
         self.memory = Some(memory);
+        self
+    }
+
+    /// An adapter applied on the fly instead of fused into the folder:
+    /// each streamed layer's weights get `source`'s LoRA as they are read
+    /// (block-stream's `CheckpointLoraFuser`: dense or quantized module by
+    /// module, mlx_lm's arithmetic for an mlx_lm adapter, so the layer
+    /// equals what `mlx_lm fuse` would write). Needs
+    /// [`MemoryMode::Streamed`], which the default then is; another
+    /// explicit mode is [`EngineError::InvalidConfig`]. Sources add up.
+    ///
+    /// [`EngineError::InvalidConfig`]: crate::EngineError::InvalidConfig
+    pub fn lora(mut self, source: block_stream::BlockLoraSource) -> EngineConfig {
+        self.lora.push(source);
         self
     }
 

@@ -127,6 +127,8 @@ pub(crate) struct Weights<'a> {
     /// nothing is evaluated while the layer is built, so that its weights
     /// are read when (and only when) the layer runs.
     pub streamed: Option<&'a HashMap<String, Array>>,
+    /// Adapters applied to streamed layers as they are read.
+    pub lora: &'a Arc<Vec<block_stream::BlockLoraSource>>,
 }
 
 impl Weights<'_> {

@@ -242,6 +242,22 @@ fn low_memory_modes_equal_resident() {
     let resident = texts(MemoryMode::Resident);
     assert_eq!(resident, texts(MemoryMode::MappedTables));
     assert_eq!(resident, texts(MemoryMode::Streamed));
+
+    // A chunk of very different lengths prefills in several groups; the
+    // streamed engine runs them layer by layer in one pass over the files.
+    let varied: Vec<Vec<Message>> = [3, 10, 7, 50, 15, 30, 1, 45]
+        .iter()
+        .map(|&n| vec![Message::new("user", "the food was good ".repeat(n))])
+        .collect();
+    let labels = |memory| {
+        let engine =
+            MlxEngine::new(EngineConfig::new(&f32_dir).batch_size(8).memory(memory)).unwrap();
+        engine
+            .generate(varied.clone(), GenerateOptions::new().max_tokens(2))
+            .unwrap()
+            .texts
+    };
+    assert_eq!(labels(MemoryMode::Resident), labels(MemoryMode::Streamed));
 }
 
 /// The largest absolute difference between two equally long vectors.

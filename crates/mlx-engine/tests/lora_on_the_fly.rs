@@ -1,0 +1,172 @@
+//! An mlx_lm adapter applied on the fly to streamed layers
+//! (`MemoryMode::Streamed` + `EngineConfig::lora`) gives what the model
+//! fused by adapter-fuse (bit-equal to `mlx_lm fuse`, tested there) gives
+//! resident, on SmolLM2 f32 and 4-bit. Skips, saying so, without the
+//! fixture (`cargo xtask fixtures`).
+
+use std::path::{Path, PathBuf};
+
+use adapter_codec::AdapterCodec;
+use mlx_engine::{
+    BlockLoraSource, EngineConfig, EngineError, GenerateOptions, KvCache, MemoryMode, Message,
+    MlxEngine, Model, QuantizedWeights,
+};
+use mlx_rs::Array;
+
+const SCALE: f32 = 4.0;
+const RANK: usize = 4;
+const PREFIX: &str = "model.layers.";
+
+fn fixture(variant: &str) -> Option<PathBuf> {
+    let dir = PathBuf::from(std::env::var_os("MLX_LOWMEM_SMOLLM2")?).join(variant);
+    dir.join("config.json").is_file().then_some(dir)
+}
+
+/// Deterministic values in [-amplitude, amplitude).
+fn values(n: usize, seed: u64, amplitude: f32) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amplitude
+        })
+        .collect()
+}
+
+/// An mlx_lm adapter on SmolLM2's q and v projections of every other
+/// layer: `adapters.safetensors` + `adapter_config.json` in `dir`.
+fn write_adapter(dir: &Path) -> PathBuf {
+    let (hidden, kv) = (576usize, 192usize);
+    let mut tensors = Vec::new();
+    for layer in (0..30).step_by(2) {
+        for (module, out) in [("q_proj", hidden), ("v_proj", kv)] {
+            let key = format!("{PREFIX}{layer}.self_attn.{module}");
+            let seed = (layer * 2 + usize::from(module == "v_proj")) as u64;
+            let a = Array::from_slice(
+                &values(hidden * RANK, seed, 0.05),
+                &[hidden as i32, RANK as i32],
+            );
+            let b = Array::from_slice(
+                &values(RANK * out, seed + 100, 0.05),
+                &[RANK as i32, out as i32],
+            );
+            tensors.push((format!("{key}.lora_a"), a));
+            tensors.push((format!("{key}.lora_b"), b));
+        }
+    }
+    let file = dir.join("adapters.safetensors");
+    Array::save_safetensors(tensors.iter().map(|(k, v)| (k.as_str(), v)), None, &file).unwrap();
+    std::fs::write(
+        dir.join("adapter_config.json"),
+        format!(
+            r#"{{"fine_tune_type": "lora", "num_layers": 30, "lora_parameters": {{"rank": {RANK}, "scale": {SCALE}, "dropout": 0.0}}}}"#
+        ),
+    )
+    .unwrap();
+    file
+}
+
+/// The logits of a prompt and of one token after it.
+fn logits(model: &Model) -> Vec<u32> {
+    let prompt = Array::from_slice(&[1, 504, 3458, 282, 4649, 314, 5465, 47], &[1, 8]);
+    let next = Array::from_slice(&[30], &[1, 1]);
+    let mut cache = KvCache::new();
+    let mut bits = Vec::new();
+    for input in [&prompt, &next] {
+        let logits = model.forward(input, &mut cache).unwrap();
+        logits.eval().unwrap();
+        bits.extend(logits.as_slice::<f32>().iter().map(|v| v.to_bits()));
+    }
+    bits
+}
+
+#[test]
+fn lora_on_streamed_layers_equals_the_fused_model() {
+    let (Some(f32_dir), Some(q4_dir)) = (fixture("f32"), fixture("q4")) else {
+        eprintln!("SKIP lora_on_streamed_layers_equals_the_fused_model: no SmolLM2 fixture (run cargo xtask fixtures)");
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let adapter = write_adapter(work.path());
+    let codec = AdapterCodec::new(
+        work.path().join("adapters.safetensors.zst"),
+        work.path().join("adapter_config.json"),
+    );
+    codec.encode(&adapter).unwrap();
+    let source = || BlockLoraSource::open_mlx_lm(&adapter, PREFIX, SCALE).unwrap();
+    for (base, modes) in [
+        (&f32_dir, &[QuantizedWeights::DequantizeF32][..]),
+        (
+            &q4_dir,
+            &[QuantizedWeights::Keep, QuantizedWeights::DequantizeOnUse][..],
+        ),
+    ] {
+        let fused = adapter_fuse::FuseOptions::from_env()
+            .with_cache_root(work.path().join("hub"))
+            .ensure_fused(base.to_str().unwrap(), &codec, "lora-on-the-fly--fused")
+            .unwrap();
+        for &q in modes {
+            let reference = logits(&Model::load(&fused, q).unwrap());
+            let plain = logits(&Model::load(base, q).unwrap());
+            assert!(reference != plain, "the adapter changes nothing");
+            let on_the_fly =
+                Model::load_with_lora(base, q, MemoryMode::Streamed, vec![source()]).unwrap();
+            assert!(
+                reference == logits(&on_the_fly),
+                "{} {q:?}: LoRA on the fly differs from the fused model",
+                base.display()
+            );
+        }
+        let texts = |config: EngineConfig| {
+            let prompt = vec![Message::new("user", "What is the capital of France?")];
+            MlxEngine::new(config.batch_size(2))
+                .unwrap()
+                .generate(vec![prompt], GenerateOptions::new().max_tokens(8))
+                .unwrap()
+                .texts
+        };
+        assert_eq!(
+            texts(EngineConfig::new(&fused)),
+            texts(EngineConfig::new(base).lora(source())),
+            "{}",
+            base.display()
+        );
+        // The cache entry is named by the adapter's digest alone: the next
+        // base needs an empty cache.
+        std::fs::remove_dir_all(work.path().join("hub")).unwrap();
+    }
+}
+
+#[test]
+fn lora_needs_streamed_layers() {
+    let Some(dir) = fixture("q4") else {
+        eprintln!("SKIP lora_needs_streamed_layers: no SmolLM2 fixture (run cargo xtask fixtures)");
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let adapter = write_adapter(work.path());
+    let source = || BlockLoraSource::open_mlx_lm(&adapter, PREFIX, SCALE).unwrap();
+    let engine = MlxEngine::new(
+        EngineConfig::new(&dir)
+            .memory(MemoryMode::Resident)
+            .lora(source()),
+    )
+    .unwrap();
+    match engine.ensure_loaded() {
+        Err(EngineError::InvalidConfig(message)) => {
+            assert!(message.contains("Streamed"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(Model::load_with_lora(
+        &dir,
+        QuantizedWeights::Keep,
+        MemoryMode::MappedTables,
+        vec![source()]
+    )
+    .is_err());
+}
