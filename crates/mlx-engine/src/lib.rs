@@ -70,6 +70,16 @@
 //! 270M in Q4_K_M with its Q5_0, Q4_K, Q6_K and Q8_0 tensors) become mlx_lm
 //! folders with [`import_gguf`].
 //!
+//! # Little memory
+//!
+//! [`MemoryMode`] (`EngineConfig::memory`) says where the weights live:
+//! all resident; the embedding tables left in their files
+//! (`MappedTables`); or, for a model larger than the memory, each decoder
+//! layer read from the files only while it runs (`Streamed`, which can
+//! also apply an unfused LoRA adapter as the layers are read:
+//! `EngineConfig::lora`). All give the same logits bit for bit; the
+//! default follows the model's size and [`mlx_support::memory_limit`].
+//!
 //! # Performance
 //!
 //! On Linux with glibc, calling [`mlx_support::retain_freed_memory`] once
