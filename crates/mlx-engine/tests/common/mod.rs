@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod tiny_gemma;
+
 use std::path::Path;
 use std::process::Command;
 
