@@ -1,4 +1,5 @@
-//! SiLU and softmax's exponentials as compiled arithmetic.
+//! SiLU, tanh-approximated GELU and softmax's exponentials as compiled
+//! arithmetic.
 //!
 //! Why: the MLX CPU build for x86 evaluates `exp` one element at a time,
 //! each of its fused multiply-adds a library call; with the softmax over
@@ -49,7 +50,15 @@ thread_local! {
         compiled(|a| exp_parts(&a[0].subtract(&a[1])?));
     static NEGATED_PARTS: RefCell<Compiled> = compiled(|a| exp_parts(&a[0].negative()?));
     static PRODUCT: RefCell<Compiled> = compiled(|a| Ok(vec![a[0].multiply(&a[1])?]));
-    // silu(g)·u = g·u / (1 + e^-g), with e^-g = a[2]·a[3].
+    // e^(-2z) for GELU's z = √(2/π)·(g + 0.044715·g³).
+    static GELU_PARTS: RefCell<Compiled> = compiled(|a| {
+        let g = &a[0];
+        let cubic = g.multiply(g)?.multiply(g)?.multiply(scalar(0.044715))?;
+        let z = g.add(cubic)?.multiply(scalar(SQRT_2_OVER_PI))?;
+        exp_parts(&z.multiply(scalar(-2.0))?)
+    });
+    // silu(g)·u = g·u / (1 + e^-g), with e^-g = a[2]·a[3]; the same form
+    // gives GELU's, with e^(-2z) for e^-g.
     static SILU_MUL: RefCell<Compiled> = compiled(|a| {
         let denominator = a[2].multiply(&a[3])?.add(scalar(1.0))?;
         Ok(vec![a[0].multiply(&a[1])?.divide(denominator)?])
@@ -78,6 +87,18 @@ pub(crate) fn silu_mul(gate: &Array, up: &Array) -> Result<Array, Exception> {
     Ok(y)
 }
 
+/// `gelu_tanh(gate) · up` for f32 arrays, where MLX's `gelu_approx` is
+/// `0.5·g·(1 + tanh z)`, `z = √(2/π)·(g + 0.044715·g³)`: since
+/// `0.5·(1 + tanh z)` is the logistic function of `2z`, this is
+/// `g·u / (1 + e^(-2z))`, two compiled kernels instead of a dozen
+/// element-wise passes (one of them a libm `tanh` per element). Equal to
+/// the tanh form within a few units in the last place.
+pub(crate) fn gelu_tanh_mul(gate: &Array, up: &Array) -> Result<Array, Exception> {
+    let [e_r, two_n] = factors(&GELU_PARTS, std::slice::from_ref(gate))?;
+    let [y] = call(&SILU_MUL, &[gate.clone(), up.clone(), e_r, two_n])?;
+    Ok(y)
+}
+
 /// `exp(x − max)` with `max` broadcast against `x`.
 pub(crate) fn exp_shifted(x: &Array, max: &Array) -> Result<Array, Exception> {
     let [e_r, two_n] = factors(&SHIFTED_PARTS, &[x.clone(), max.clone()])?;
@@ -86,6 +107,8 @@ pub(crate) fn exp_shifted(x: &Array, max: &Array) -> Result<Array, Exception> {
 }
 
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
+// √(2/π), as MLX's gelu_approx rounds it to f32.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 // ln 2 = LN2_HIGH + LN2_LOW; LN2_HIGH has few mantissa bits so `n·LN2_HIGH`
 // is exact for the `n` that occur.
 const LN2_HIGH: f32 = 0.693_359_4;
@@ -168,7 +191,7 @@ mod tests {
     }
 
     #[test]
-    fn silu_mul_matches_its_definition_with_broadcast_shapes() {
+    fn silu_and_gelu_products_match_their_definitions_with_broadcast_shapes() {
         let g: Vec<f32> = (0..96).map(|i| (i as f32 - 48.0) * 0.37).collect();
         let u: Vec<f32> = (0..96).map(|i| (i as f32 * 0.11).sin()).collect();
         let gate = Array::from_slice(&g, &[2, 3, 16]);
@@ -179,6 +202,16 @@ mod tests {
             assert!(
                 (y as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
                 "{g} {u}: {y} vs {want}"
+            );
+        }
+        let gelu = values(&gelu_tanh_mul(&gate, &up).unwrap());
+        for ((&g, &u), &y) in g.iter().zip(&u).zip(&gelu) {
+            let (g, u) = (g as f64, u as f64);
+            let z = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g);
+            let want = 0.5 * g * (1.0 + z.tanh()) * u;
+            assert!(
+                (y as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "gelu {g} {u}: {y} vs {want}"
             );
         }
         // A new shape and a broadcast maximum reuse the shapeless graphs.

@@ -19,6 +19,7 @@ use crate::attention::attention;
 use crate::cache::{KvCache, LayerMask};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::fused::gelu_tanh_mul;
 use crate::gemma_config::{GemmaSpec, Version};
 use crate::layers::Layers;
 use crate::rope::Positions;
@@ -480,7 +481,7 @@ impl Layer {
         )?;
         let mut h = residual_add(spec.version, &p.h, &out)?;
         let x = fast::rms_norm(&h, Some(&self.pre_feedforward_norm), c.rms_norm_eps)?;
-        let gated = gelu_tanh(&self.gate.forward(&x)?)?.multiply(self.up.forward(&x)?)?;
+        let gated = gelu_mul(&self.gate.forward(&x)?, &self.up.forward(&x)?)?;
         let out = fast::rms_norm(
             &self.down.forward(&gated)?,
             Some(&self.post_feedforward_norm),
@@ -488,12 +489,10 @@ impl Layer {
         )?;
         h = residual_add(spec.version, &h, &out)?;
         if let (Some(pli), Some(inputs)) = (&self.per_layer_input, &p.per_layer_inputs) {
-            let gate = gelu_tanh(&pli.gate.forward(&h)?)?.multiply(inputs.index((
-                ..,
-                ..,
-                i as i32,
-                ..,
-            )))?;
+            let gate = gelu_mul(
+                &pli.gate.forward(&h)?,
+                &inputs.index((.., .., i as i32, ..)),
+            )?;
             let out = fast::rms_norm(
                 &pli.projection.forward(&gate)?,
                 Some(&pli.norm),
@@ -514,6 +513,15 @@ impl Layer {
 /// dtype.
 fn scalar(v: f64, dtype: Dtype) -> Result<Array> {
     Ok(Array::from_f32(v as f32).as_dtype(dtype)?)
+}
+
+/// `gelu_tanh(gate) · up`: compiled for f32 (see
+/// [`crate::fused::gelu_tanh_mul`]), MLX's own operations otherwise.
+fn gelu_mul(gate: &Array, up: &Array) -> Result<Array> {
+    if gate.dtype() == Dtype::Float32 && up.dtype() == Dtype::Float32 {
+        return Ok(gelu_tanh_mul(gate, up)?);
+    }
+    Ok(gelu_tanh(gate)?.multiply(up)?)
 }
 
 /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, MLX's `gelu_approx`.
