@@ -21,7 +21,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::fused::gelu_tanh_mul;
 use crate::gemma_config::{GemmaSpec, Version};
-use crate::layers::Layers;
+use crate::layers::{Forward, Layers};
 use crate::rope::Positions;
 use crate::weights::{Embedding, Linear, Weights};
 
@@ -274,28 +274,19 @@ impl Gemma {
 
     /// The last layer's outputs `(B, L, hidden)` before the final norm, of
     /// each of the independent forwards of `tokens` over `caches` (one
-    /// cache each, extended); layer by layer (see [`Layers::run`]).
+    /// cache each, extended); layer by layer (see [`Layers::forward_each`]).
     pub(crate) fn hidden_each(
         &self,
         c: &ModelConfig,
         tokens: &[Array],
         caches: &mut [KvCache],
     ) -> Result<Vec<Array>> {
-        let mut passes = tokens
-            .iter()
-            .zip(caches.iter_mut())
-            .map(|(tokens, cache)| self.begin(c, tokens, cache))
-            .collect::<Result<Vec<_>>>()?;
-        self.layers.run(&mut passes, |i, layer, pass| {
-            layer.forward(c, &self.spec, i, pass)
-        })?;
-        passes
-            .into_iter()
-            .map(|pass| {
-                pass.cache.advance(pass.l)?;
-                Ok(pass.h)
-            })
-            .collect()
+        self.layers.forward_each(
+            tokens,
+            caches,
+            |tokens, cache| self.begin(c, tokens, cache),
+            |i, layer, pass| layer.forward(c, &self.spec, i, pass),
+        )
     }
 
     /// A forward of `tokens` over `cache`, before its first layer.
@@ -392,6 +383,13 @@ struct Pass<'c> {
     b: i32,
     l: i32,
     cache: &'c mut KvCache,
+}
+
+impl Forward for Pass<'_> {
+    fn finish(self) -> Result<Array> {
+        self.cache.advance(self.l)?;
+        Ok(self.h)
+    }
 }
 
 impl Layer {

@@ -20,6 +20,7 @@ use mlx_rs::Array;
 use mlx_support::QuantizationConfig;
 use st_mmap::{BlockPrefix, SafetensorsSet};
 
+use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::weights::{MemoryMode, QuantizedWeights, Weights};
 
@@ -43,6 +44,13 @@ pub(crate) struct Stream<L> {
     lora: Arc<Vec<BlockLoraSource>>,
     count: usize,
     load: LoadLayer<L>,
+}
+
+/// One forward in progress, as a decoder keeps it between layers.
+pub(crate) trait Forward {
+    /// Ends the forward after the last layer: advances its cache past its
+    /// positions and returns its hidden state.
+    fn finish(self) -> Result<Array>;
 }
 
 /// A layer while it runs: borrowed from memory, or built for this forward
@@ -111,20 +119,27 @@ impl<L> Layers<L> {
         }
     }
 
-    /// Runs every layer over each of `passes` (forwards independent of
-    /// each other, e.g. the prefill groups of a chunk, each with its own
-    /// cache): `step(i, layer, pass)` applies layer `i` to one pass and
-    /// returns what it computed from the layer's weights. Layer by layer:
-    /// streamed, each layer is read once for all the passes, and each
-    /// pass's outputs are evaluated before the next pass runs (so only one
-    /// pass's activations exist at a time) and before the layer goes;
-    /// resident, the steps only build the lazy graph, which the caller
-    /// evaluates.
-    pub(crate) fn run<P>(
+    /// The hidden states of independent forwards of `tokens` over
+    /// `caches` (one cache each, extended; e.g. the prefill groups of a
+    /// chunk): `begin` starts a forward before the first layer, `step(i,
+    /// layer, pass)` applies layer `i` to one and returns what it computed
+    /// from the layer's weights. Layer by layer: streamed, each layer is
+    /// read once for all the forwards, and each forward's outputs are
+    /// evaluated before the next one runs (so only one forward's
+    /// activations exist at a time) and before the layer goes; resident,
+    /// the steps only build the lazy graph, which the caller evaluates.
+    pub(crate) fn forward_each<'c, P: Forward>(
         &self,
-        passes: &mut [P],
+        tokens: &[Array],
+        caches: &'c mut [KvCache],
+        begin: impl Fn(&Array, &'c mut KvCache) -> Result<P>,
         mut step: impl FnMut(usize, &L, &mut P) -> Result<Vec<Array>>,
-    ) -> Result<()> {
+    ) -> Result<Vec<Array>> {
+        let mut passes = tokens
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(tokens, cache)| begin(tokens, cache))
+            .collect::<Result<Vec<_>>>()?;
         for i in 0..self.len() {
             let layer = self.get(i)?;
             for pass in passes.iter_mut() {
@@ -134,7 +149,7 @@ impl<L> Layers<L> {
                 }
             }
         }
-        Ok(())
+        passes.into_iter().map(Forward::finish).collect()
     }
 
     /// Layer `i`, for one forward.

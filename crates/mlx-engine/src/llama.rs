@@ -9,7 +9,7 @@ use crate::cache::{KvCache, LayerMask};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::fused::silu_mul;
-use crate::layers::Layers;
+use crate::layers::{Forward, Layers};
 use crate::rope::Positions;
 use crate::weights::{Embedding, Linear, Weights};
 
@@ -107,37 +107,29 @@ impl Llama {
 
     /// The last decoder layer's outputs `(B, L, hidden)`, before the final
     /// norm, of each of the independent forwards of `tokens` over `caches`
-    /// (one cache each, extended); layer by layer (see [`Layers::run`]).
-    pub(crate) fn hidden_each(
+    /// (one cache each, extended); layer by layer (see
+    /// [`Layers::forward_each`]).
+    pub(crate) fn hidden_each<'c>(
         &self,
         c: &ModelConfig,
         tokens: &[Array],
-        caches: &mut [KvCache],
+        caches: &'c mut [KvCache],
     ) -> Result<Vec<Array>> {
-        let mut passes = tokens
-            .iter()
-            .zip(caches.iter_mut())
-            .map(|(tokens, cache)| {
-                let l = tokens.dim(1);
-                Ok(Pass {
-                    x: self.embed.lookup(tokens)?,
-                    mask: cache.mask(0, l, None),
-                    positions: Positions::of(cache),
-                    b: tokens.dim(0),
-                    l,
-                    cache,
-                })
+        let begin = |tokens: &Array, cache: &'c mut KvCache| {
+            let l = tokens.dim(1);
+            Ok(Pass {
+                x: self.embed.lookup(tokens)?,
+                mask: cache.mask(0, l, None),
+                positions: Positions::of(cache),
+                b: tokens.dim(0),
+                l,
+                cache,
             })
-            .collect::<Result<Vec<_>>>()?;
+        };
         self.layers
-            .run(&mut passes, |i, layer, pass| layer.forward(c, i, pass))?;
-        passes
-            .into_iter()
-            .map(|pass| {
-                pass.cache.advance(pass.l)?;
-                Ok(pass.x)
+            .forward_each(tokens, caches, begin, |i, layer, pass| {
+                layer.forward(c, i, pass)
             })
-            .collect()
     }
 }
 
@@ -149,6 +141,13 @@ struct Pass<'c> {
     b: i32,
     l: i32,
     cache: &'c mut KvCache,
+}
+
+impl Forward for Pass<'_> {
+    fn finish(self) -> Result<Array> {
+        self.cache.advance(self.l)?;
+        Ok(self.x)
+    }
 }
 
 impl Layer {

@@ -4,9 +4,12 @@
 //! resident, on SmolLM2 f32 and 4-bit. Skips, saying so, without the
 //! fixture (`cargo xtask fixtures`).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use adapter_codec::AdapterCodec;
+use common::normal;
 use mlx_engine::{
     BlockLoraSource, EngineConfig, EngineError, GenerateOptions, KvCache, MemoryMode, Message,
     MlxEngine, Model, QuantizedWeights,
@@ -22,21 +25,6 @@ fn fixture(variant: &str) -> Option<PathBuf> {
     dir.join("config.json").is_file().then_some(dir)
 }
 
-/// Deterministic values in [-amplitude, amplitude).
-fn values(n: usize, seed: u64, amplitude: f32) -> Vec<f32> {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amplitude
-        })
-        .collect()
-}
-
 /// An mlx_lm adapter on SmolLM2's q and v projections of every other
 /// layer: `adapters.safetensors` + `adapter_config.json` in `dir`.
 fn write_adapter(dir: &Path) -> PathBuf {
@@ -46,14 +34,8 @@ fn write_adapter(dir: &Path) -> PathBuf {
         for (module, out) in [("q_proj", hidden), ("v_proj", kv)] {
             let key = format!("{PREFIX}{layer}.self_attn.{module}");
             let seed = (layer * 2 + usize::from(module == "v_proj")) as u64;
-            let a = Array::from_slice(
-                &values(hidden * RANK, seed, 0.05),
-                &[hidden as i32, RANK as i32],
-            );
-            let b = Array::from_slice(
-                &values(RANK * out, seed + 100, 0.05),
-                &[RANK as i32, out as i32],
-            );
+            let a = normal(&[hidden as i32, RANK as i32], seed, 0.03);
+            let b = normal(&[RANK as i32, out as i32], seed + 100, 0.03);
             tensors.push((format!("{key}.lora_a"), a));
             tensors.push((format!("{key}.lora_b"), b));
         }
