@@ -67,13 +67,13 @@ fn main() -> anyhow::Result<()> {
         (
             "warm",
             8,
-            3,
+            5,
             with_python(ours(&Mode::ALL), &["python-all-loaded", "arsenal"]),
         ),
         (
             "cold",
             8,
-            2,
+            3,
             with_python(ours(&Mode::ALL), &["python-all-loaded", "arsenal"]),
         ),
         (
