@@ -275,17 +275,37 @@ impl Gemma {
     /// The last layer's outputs `(B, L, hidden)` before the final norm, of
     /// each of the independent forwards of `tokens` over `caches` (one
     /// cache each, extended); layer by layer (see [`Layers::forward_each`]).
+    ///
+    /// With `last_only`, only the last position's output is wanted (`(B, 1,
+    /// hidden)` comes back): from the first layer after which no layer
+    /// writes keys and values (Gemma 4's key/value-sharing layers, the last
+    /// 20 of E2B's 35 and its double-wide ones), the other positions'
+    /// hidden states can no longer reach anything, so those layers run on
+    /// the last position alone. The cache gets every position's keys and
+    /// values all the same.
     pub(crate) fn hidden_each(
         &self,
         c: &ModelConfig,
         tokens: &[Array],
         caches: &mut [KvCache],
+        last_only: bool,
     ) -> Result<Vec<Array>> {
+        let layers = &self.spec.layers;
+        let narrow_at = (0..layers.len())
+            .rev()
+            .take_while(|&i| !layers[i].owns_kv(i))
+            .last()
+            .filter(|_| last_only);
         self.layers.forward_each(
             tokens,
             caches,
             |tokens, cache| self.begin(c, tokens, cache),
-            |i, layer, pass| layer.forward(c, &self.spec, i, pass),
+            |i, layer, pass| {
+                if narrow_at == Some(i) {
+                    pass.keep_last()?;
+                }
+                layer.forward(c, &self.spec, i, pass)
+            },
         )
     }
 
@@ -336,6 +356,7 @@ impl Gemma {
             kvs: vec![None; spec.layers.len()],
             b,
             l,
+            new: l,
             cache,
         })
     }
@@ -381,13 +402,43 @@ struct Pass<'c> {
     /// Each layer's keys and values, for the layers that share them.
     kvs: Vec<Option<(Array, Array)>>,
     b: i32,
+    /// Positions the layers run on: `new`, or 1 after [`keep_last`](Self::keep_last).
     l: i32,
+    /// Positions appended to the cache.
+    new: i32,
     cache: &'c mut KvCache,
+}
+
+impl Pass<'_> {
+    /// Drops every position but the last from what the following layers
+    /// read: the hidden state, the per-layer inputs, the queries' masks and
+    /// rotary positions. Only for layers that write no keys or values.
+    fn keep_last(&mut self) -> Result<()> {
+        let last = |a: &Array, axis: i32| -> Result<Array> {
+            Ok(a.take_axis(&Array::from_slice(&[self.l - 1], &[1]), axis)?)
+        };
+        self.h = last(&self.h, 1)?;
+        if let Some(inputs) = &self.per_layer_inputs {
+            self.per_layer_inputs = Some(last(inputs, 1)?);
+        }
+        for mask in [&mut self.sliding_mask, &mut self.full_mask]
+            .into_iter()
+            .flatten()
+        {
+            // `own` is `(B or 1, 1, L, T)`, `shared` `(B, L, P)`.
+            let own = mask.own.as_ref().map(|m| last(m, 2)).transpose()?;
+            let shared = mask.shared.as_ref().map(|m| last(m, 1)).transpose()?;
+            *mask = LayerMask { own, shared };
+        }
+        self.positions = self.positions.advanced(self.l - 1)?;
+        self.l = 1;
+        Ok(())
+    }
 }
 
 impl Forward for Pass<'_> {
     fn finish(self) -> Result<Array> {
-        self.cache.advance(self.l)?;
+        self.cache.advance(self.new)?;
         Ok(self.h)
     }
 }

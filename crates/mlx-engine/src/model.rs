@@ -137,7 +137,7 @@ impl Model {
     /// positions, never a row's left padding (see [`KvCache::set_pads`]),
     /// and on sliding-window layers only the window's latest positions.
     pub fn forward(&self, tokens: &Array, cache: &mut KvCache) -> Result<Array> {
-        let x = self.hidden(tokens, cache)?;
+        let x = self.hidden(tokens, cache, false)?;
         self.head(&x)
     }
 
@@ -145,14 +145,23 @@ impl Model {
     /// last position only: what prefill needs. The output projection of
     /// every position would cost a `(B·L, vocab)` matrix (vocabularies are
     /// large: 49 152 for SmolLM2, 262 144 for Gemma) that is thrown away.
+    ///
+    /// Gemma 4's layers that write no keys or values run on the last
+    /// position alone (see `Gemma::hidden_each`): for E2B that is 20 of its
+    /// 35 layers, the double-wide ones, so a prefill costs about a third of
+    /// a full forward. The logits agree with `forward`'s last position to
+    /// rounding, not bit for bit (fewer rows in the products).
     pub fn forward_last(&self, tokens: &Array, cache: &mut KvCache) -> Result<Array> {
-        let x = self.hidden(tokens, cache)?;
+        let x = self.hidden(tokens, cache, true)?;
         self.head(&x.index((.., -1, ..)))
     }
 
-    fn hidden(&self, tokens: &Array, cache: &mut KvCache) -> Result<Array> {
-        let mut each =
-            self.hidden_each(std::slice::from_ref(tokens), std::slice::from_mut(cache))?;
+    fn hidden(&self, tokens: &Array, cache: &mut KvCache, last_only: bool) -> Result<Array> {
+        let mut each = self.hidden_each(
+            std::slice::from_ref(tokens),
+            std::slice::from_mut(cache),
+            last_only,
+        )?;
         Ok(each.remove(0))
     }
 
@@ -165,7 +174,7 @@ impl Model {
         tokens: &[Array],
         caches: &mut [KvCache],
     ) -> Result<Vec<Array>> {
-        self.hidden_each(tokens, caches)?
+        self.hidden_each(tokens, caches, true)?
             .iter()
             .map(|x| self.head(&x.index((.., -1, ..))))
             .collect()
@@ -179,9 +188,16 @@ impl Model {
         }
     }
 
-    fn hidden_each(&self, tokens: &[Array], caches: &mut [KvCache]) -> Result<Vec<Array>> {
+    /// Each forward's last hidden states; with `last_only`, possibly of
+    /// the last position alone.
+    fn hidden_each(
+        &self,
+        tokens: &[Array],
+        caches: &mut [KvCache],
+        last_only: bool,
+    ) -> Result<Vec<Array>> {
         match &self.decoder {
-            Decoder::Gemma(g) => g.hidden_each(&self.config, tokens, caches),
+            Decoder::Gemma(g) => g.hidden_each(&self.config, tokens, caches, last_only),
             Decoder::Llama(m) => m.hidden_each(&self.config, tokens, caches),
         }
     }

@@ -25,6 +25,15 @@ impl Positions {
         Positions::PerRow(Array::from_slice(&offsets, &[offsets.len() as i32]))
     }
 
+    /// The positions `by` places further on (the last of `by + 1` new
+    /// tokens, once a forward keeps only that one).
+    pub(crate) fn advanced(&self, by: i32) -> Result<Positions> {
+        Ok(match self {
+            Positions::Same(offset) => Positions::Same(offset + by),
+            Positions::PerRow(offsets) => Positions::PerRow(offsets.add(Array::from_int(by))?),
+        })
+    }
+
     /// RoPE over the first `dims` features of `x` `(B, heads, L, D)`, with
     /// `base` or explicit per-pair periods `freqs`.
     pub(crate) fn rope(

@@ -204,6 +204,57 @@ fn quantized_gemma4_modes_agree() {
     assert!(max_difference(&on_use, &at_load) < 1e-5);
 }
 
+/// A prefill that wants only the last position's logits runs Gemma 4's
+/// key/value-sharing layers on that position alone: the logits equal a
+/// full forward's last row, and the cache is the same (the next token's
+/// logits agree too); as a padded batch after a shared prefix.
+#[test]
+fn gemma4_last_position_prefill_equals_the_full_forward() {
+    let dir = tempfile::tempdir().unwrap();
+    write_gemma4(dir.path(), Layout::Text, false);
+    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let (prefix, suffixes) = prompt_tokens(dir.path());
+    let p = ids(&prefix);
+    let mut shared = KvCache::new();
+    model
+        .forward(&Array::from_slice(&p, &[1, p.len() as i32]), &mut shared)
+        .unwrap();
+    let width = suffixes.iter().map(Vec::len).max().unwrap();
+    let block: Vec<i32> = suffixes
+        .iter()
+        .flat_map(|s| std::iter::repeat_n(0, width - s.len()).chain(ids(s)))
+        .collect();
+    let pads: Vec<i32> = suffixes.iter().map(|s| (width - s.len()) as i32).collect();
+    let rows = suffixes.len() as i32;
+    let run = |last_only: bool| {
+        let mut cache = shared.fork(rows).unwrap();
+        cache.set_pads(pads.clone()).unwrap();
+        let input = Array::from_slice(&block, &[rows, width as i32]);
+        let logits = if last_only {
+            model.forward_last(&input, &mut cache).unwrap()
+        } else {
+            model
+                .forward(&input, &mut cache)
+                .unwrap()
+                .index((.., -1, ..))
+        };
+        let next = Array::from_slice(&vec![7; rows as usize], &[rows, 1]);
+        let next = model.forward(&next, &mut cache).unwrap().index((.., 0, ..));
+        (logits, next)
+    };
+    let (last, last_next) = run(true);
+    let (full, full_next) = run(false);
+    for row in 0..rows {
+        let d = max_difference(&row_logits(&last, row), &row_logits(&full, row));
+        assert!(d <= 1e-5, "row {row}: prefill logits differ by {d}");
+        let d = max_difference(&row_logits(&last_next, row), &row_logits(&full_next, row));
+        assert!(
+            d <= 1e-5,
+            "row {row}: the next token's logits differ by {d}"
+        );
+    }
+}
+
 /// Embedding tables left in the files (the token table, tied head, and
 /// the per-layer table), and decoder layers streamed from the files too
 /// (KV-shared layers included), give the resident model's logits bit for
