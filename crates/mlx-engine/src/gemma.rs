@@ -415,7 +415,7 @@ impl Pass<'_> {
     /// rotary positions. Only for layers that write no keys or values.
     fn keep_last(&mut self) -> Result<()> {
         let last = |a: &Array, axis: i32| -> Result<Array> {
-            Ok(a.take_axis(&Array::from_slice(&[self.l - 1], &[1]), axis)?)
+            Ok(a.take_axis(Array::from_slice(&[self.l - 1], &[1]), axis)?)
         };
         self.h = last(&self.h, 1)?;
         if let Some(inputs) = &self.per_layer_inputs {
