@@ -144,7 +144,12 @@ fn list(args: &[String], flag: &str, default: &str) -> Vec<String> {
 /// the decoder's linear layers for one token, and of the output head for
 /// one position (attention scores, norms and activations left out).
 struct LinearWork {
+    /// FLOPs of a token through every layer (a decode step).
     per_token: f64,
+    /// Of `per_token`, the layers that write no keys or values (Gemma 4's
+    /// KV-shared ones): a prefill runs them on each row's last position
+    /// only.
+    shared_per_token: f64,
     head: f64,
     hidden: i32,
     intermediate: i32,
@@ -172,6 +177,7 @@ impl LinearWork {
         let double_wide = c.get("use_double_wide_mlp") == Some(&serde_json::Value::Bool(true));
         let per_layer = get("hidden_size_per_layer_input").unwrap_or(0.0);
         let mut per_token = 0.0;
+        let mut shared_per_token = 0.0;
         for layer in 0..layers as usize {
             let full = types
                 .and_then(|t| t.get(layer))
@@ -184,11 +190,16 @@ impl LinearWork {
             let q = heads * hd;
             let kv = if is_shared { 0.0 } else { 2.0 * kv_heads * hd };
             let inter = if is_shared && double_wide { 2.0 * i } else { i };
-            per_token += 2.0 * (h * (q + kv) + q * h + 3.0 * h * inter + 2.0 * h * per_layer);
+            let flops = 2.0 * (h * (q + kv) + q * h + 3.0 * h * inter + 2.0 * h * per_layer);
+            per_token += flops;
+            if is_shared {
+                shared_per_token += flops;
+            }
         }
         per_token += 2.0 * h * layers * per_layer;
         Some(LinearWork {
             per_token,
+            shared_per_token,
             head: 2.0 * h * get("vocab_size")?,
             hidden: h as i32,
             intermediate: i as i32,
@@ -198,10 +209,13 @@ impl LinearWork {
     /// GFLOP/s of a run that prefilled `prompt` tokens and generated
     /// `generated` for `conversations` conversations in `seconds`.
     fn gflops(&self, seconds: f64, conversations: f64, prompt: f64, generated: f64) -> f64 {
-        // The first token of each comes from the prefill's last position;
-        // every later one is a decode step through the whole decoder.
+        // The first token of each comes from the prefill's last position
+        // (the only one the KV-shared layers see); every later one is a
+        // decode step through the whole decoder.
         let decoded = (generated - conversations).max(0.0);
-        let flops = (prompt + decoded) * self.per_token + generated.max(conversations) * self.head;
+        let prefill = prompt * (self.per_token - self.shared_per_token)
+            + conversations * self.shared_per_token;
+        let flops = prefill + decoded * self.per_token + generated.max(conversations) * self.head;
         flops / seconds / 1e9
     }
 }
