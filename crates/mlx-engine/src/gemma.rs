@@ -277,12 +277,13 @@ impl Gemma {
     /// cache each, extended); layer by layer (see [`Layers::forward_each`]).
     ///
     /// With `last_only`, only the last position's output is wanted (`(B, 1,
-    /// hidden)` comes back): from the first layer after which no layer
-    /// writes keys and values (Gemma 4's key/value-sharing layers, the last
-    /// 20 of E2B's 35 and its double-wide ones), the other positions'
-    /// hidden states can no longer reach anything, so those layers run on
-    /// the last position alone. The cache gets every position's keys and
-    /// values all the same.
+    /// hidden)` comes back): once the last layer that writes keys and
+    /// values has written them, the other positions' hidden states can no
+    /// longer reach anything, so the rest of that layer and every later one
+    /// run on the last position alone. For Gemma 4 E2B that is the second
+    /// half of layer 14 and the 20 KV-shared layers after it (the
+    /// double-wide ones); for Gemma 3, the second half of the last layer.
+    /// The cache gets every position's keys and values all the same.
     pub(crate) fn hidden_each(
         &self,
         c: &ModelConfig,
@@ -291,21 +292,14 @@ impl Gemma {
         last_only: bool,
     ) -> Result<Vec<Array>> {
         let layers = &self.spec.layers;
-        let narrow_at = (0..layers.len())
-            .rev()
-            .take_while(|&i| !layers[i].owns_kv(i))
-            .last()
+        let narrow_after = (0..layers.len())
+            .rfind(|&i| layers[i].owns_kv(i))
             .filter(|_| last_only);
         self.layers.forward_each(
             tokens,
             caches,
-            |tokens, cache| self.begin(c, tokens, cache),
-            |i, layer, pass| {
-                if narrow_at == Some(i) {
-                    pass.keep_last()?;
-                }
-                layer.forward(c, &self.spec, i, pass)
-            },
+            |tokens, cache| self.begin(c, tokens, cache, narrow_after),
+            |i, layer, pass| layer.forward(c, &self.spec, i, pass),
         )
     }
 
@@ -315,6 +309,7 @@ impl Gemma {
         c: &ModelConfig,
         tokens: &Array,
         cache: &'c mut KvCache,
+        narrow_after: Option<usize>,
     ) -> Result<Pass<'c>> {
         let spec = &self.spec;
         let (b, l) = (tokens.dim(0), tokens.dim(1));
@@ -357,6 +352,7 @@ impl Gemma {
             b,
             l,
             new: l,
+            narrow_after,
             cache,
         })
     }
@@ -406,28 +402,37 @@ struct Pass<'c> {
     l: i32,
     /// Positions appended to the cache.
     new: i32,
+    /// The layer after whose keys and values only the last position is
+    /// kept (see `Gemma::hidden_each`).
+    narrow_after: Option<usize>,
     cache: &'c mut KvCache,
 }
 
 impl Pass<'_> {
-    /// Drops every position but the last from what the following layers
-    /// read: the hidden state, the per-layer inputs, the queries' masks and
-    /// rotary positions. Only for layers that write no keys or values.
+    /// Drops every position but the last from what the rest of the forward
+    /// reads: the hidden state, the per-layer inputs, the queries' masks
+    /// and rotary positions. Only once no later step writes keys or values.
     fn keep_last(&mut self) -> Result<()> {
-        let last = |a: &Array, axis: i32| -> Result<Array> {
-            Ok(a.take_axis(Array::from_slice(&[self.l - 1], &[1]), axis)?)
-        };
-        self.h = last(&self.h, 1)?;
+        let last = self.l - 1;
+        self.h = at_position(&self.h, 1, last)?;
         if let Some(inputs) = &self.per_layer_inputs {
-            self.per_layer_inputs = Some(last(inputs, 1)?);
+            self.per_layer_inputs = Some(at_position(inputs, 1, last)?);
         }
         for mask in [&mut self.sliding_mask, &mut self.full_mask]
             .into_iter()
             .flatten()
         {
             // `own` is `(B or 1, 1, L, T)`, `shared` `(B, L, P)`.
-            let own = mask.own.as_ref().map(|m| last(m, 2)).transpose()?;
-            let shared = mask.shared.as_ref().map(|m| last(m, 1)).transpose()?;
+            let own = mask
+                .own
+                .as_ref()
+                .map(|m| at_position(m, 2, last))
+                .transpose()?;
+            let shared = mask
+                .shared
+                .as_ref()
+                .map(|m| at_position(m, 1, last))
+                .transpose()?;
             *mask = LayerMask { own, shared };
         }
         self.positions = self.positions.advanced(self.l - 1)?;
@@ -460,16 +465,8 @@ impl Layer {
         let kv_heads = c.kv_heads() as i32;
         let hd = s.head_dim as i32;
         let window = spec.window as i32;
-        let mask = if s.sliding {
-            &p.sliding_mask
-        } else {
-            &p.full_mask
-        };
-        let mask = mask.as_ref().expect("made for every type present");
         let x = fast::rms_norm(&p.h, Some(&self.input_norm), c.rms_norm_eps)?;
-        let split = |a: Array, n: i32| -> Result<Array> { Ok(a.reshape(&[b, l, n, hd])?) };
-        let positions = &p.positions;
-        let rope = |x: &Array| -> Result<Array> {
+        let rope = |x: &Array, positions: &Positions| -> Result<Array> {
             positions.rope(
                 x,
                 hd,
@@ -480,22 +477,18 @@ impl Layer {
             )
         };
         let a = &self.attention;
-        let q = fast::rms_norm(
-            &split(a.q.forward(&x)?, heads)?,
-            Some(&a.q_norm),
-            c.rms_norm_eps,
-        )?;
-        let q = rope(&q.transpose_axes(&[0, 2, 1, 3])?)?;
         let mut outputs = Vec::with_capacity(3);
         let (keys, values) = match &a.kv {
             Some((k_proj, v_proj, k_norm)) => {
+                // Normed before the heads move ahead of the positions (the
+                // norm is over each head's features either way).
                 let k = fast::rms_norm(
-                    &split(k_proj.forward(&x)?, kv_heads)?,
+                    &k_proj.forward(&x)?.reshape(&[b, l, kv_heads, hd])?,
                     Some(k_norm),
                     c.rms_norm_eps,
                 )?;
-                let k = rope(&k.transpose_axes(&[0, 2, 1, 3])?)?;
-                let mut v = split(v_proj.forward(&x)?, kv_heads)?;
+                let k = rope(&k.transpose_axes(&[0, 2, 1, 3])?, &p.positions)?;
+                let mut v = v_proj.forward(&x)?.reshape(&[b, l, kv_heads, hd])?;
                 if spec.version == Version::Four {
                     v = fast::rms_norm(&v, None, c.rms_norm_eps)?;
                 }
@@ -513,6 +506,28 @@ impl Layer {
                 ))
             })?,
         };
+        // The last keys and values are written: from here on only the last
+        // position's queries matter (see `Gemma::hidden_each`).
+        let x = if p.narrow_after == Some(i) {
+            let x = at_position(&x, 1, p.l - 1)?;
+            p.keep_last()?;
+            x
+        } else {
+            x
+        };
+        let l = p.l;
+        let q = fast::rms_norm(
+            &a.q.forward(&x)?.reshape(&[b, l, heads, hd])?,
+            Some(&a.q_norm),
+            c.rms_norm_eps,
+        )?;
+        let q = rope(&q.transpose_axes(&[0, 2, 1, 3])?, &p.positions)?;
+        let mask = if s.sliding {
+            &p.sliding_mask
+        } else {
+            &p.full_mask
+        };
+        let mask = mask.as_ref().expect("made for every type present");
         let attended = attention(
             &q,
             p.cache.shared(s.kv_source),
@@ -556,6 +571,11 @@ impl Layer {
         outputs.push(p.h.clone());
         Ok(outputs)
     }
+}
+
+/// `a`'s position `at` along `axis`, the axis kept (of length 1).
+fn at_position(a: &Array, axis: i32, at: i32) -> Result<Array> {
+    Ok(a.take_axis(Array::from_slice(&[at], &[1]), axis)?)
 }
 
 /// A Python float as mlx_lm's arithmetic sees it: rounded to the array's

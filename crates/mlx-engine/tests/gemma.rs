@@ -204,16 +204,28 @@ fn quantized_gemma4_modes_agree() {
     assert!(max_difference(&on_use, &at_load) < 1e-5);
 }
 
-/// A prefill that wants only the last position's logits runs Gemma 4's
-/// key/value-sharing layers on that position alone: the logits equal a
-/// full forward's last row, and the cache is the same (the next token's
-/// logits agree too); as a padded batch after a shared prefix.
+/// A prefill that wants only the last position's logits runs everything
+/// after the last key/value-writing layer's keys and values on that
+/// position alone (Gemma 4: the KV-shared layers; Gemma 3: the rest of the
+/// last layer): the logits equal a full forward's last row, and the cache
+/// is the same (the next token's logits agree too); as a padded batch
+/// after a shared prefix.
 #[test]
-fn gemma4_last_position_prefill_equals_the_full_forward() {
-    let dir = tempfile::tempdir().unwrap();
-    write_gemma4(dir.path(), Layout::Text, false);
-    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
-    let (prefix, suffixes) = prompt_tokens(dir.path());
+fn last_position_prefill_equals_the_full_forward() {
+    for version in [3, 4] {
+        let dir = tempfile::tempdir().unwrap();
+        if version == 3 {
+            write_gemma3(dir.path(), Layout::Text);
+        } else {
+            write_gemma4(dir.path(), Layout::Text, false);
+        }
+        last_position_prefill_check(dir.path(), version);
+    }
+}
+
+fn last_position_prefill_check(dir: &Path, version: u32) {
+    let model = Model::load(dir, QuantizedWeights::Keep).unwrap();
+    let (prefix, suffixes) = prompt_tokens(dir);
     let p = ids(&prefix);
     let mut shared = KvCache::new();
     model
