@@ -258,11 +258,14 @@ fn last_position_prefill_check(dir: &Path, version: u32) {
     let (full, full_next) = run(false);
     for row in 0..rows {
         let d = max_difference(&row_logits(&last, row), &row_logits(&full, row));
-        assert!(d <= 1e-5, "row {row}: prefill logits differ by {d}");
+        assert!(
+            d <= 1e-5,
+            "Gemma {version}, row {row}: prefill logits differ by {d}"
+        );
         let d = max_difference(&row_logits(&last_next, row), &row_logits(&full_next, row));
         assert!(
             d <= 1e-5,
-            "row {row}: the next token's logits differ by {d}"
+            "Gemma {version}, row {row}: the next token's logits differ by {d}"
         );
     }
 }
