@@ -45,6 +45,24 @@ pub(crate) struct LayerMask {
     pub shared: Option<Array>,
 }
 
+impl LayerMask {
+    /// The mask of the last of `new` queries alone.
+    pub(crate) fn of_last(&self, new: i32) -> Result<LayerMask> {
+        let last = |m: &Array, axis| at_position(m, axis, new - 1);
+        Ok(LayerMask {
+            own: self.own.as_ref().map(|m| last(m, 2)).transpose()?,
+            shared: self.shared.as_ref().map(|m| last(m, 1)).transpose()?,
+        })
+    }
+}
+
+/// `a`'s position `at` along `axis`, the axis kept (of length 1): what a
+/// forward keeps once only its last position is read (see
+/// `Model::forward_last`).
+pub(crate) fn at_position(a: &Array, axis: i32, at: i32) -> Result<Array> {
+    Ok(a.take_axis(Array::from_slice(&[at], &[1]), axis)?)
+}
+
 /// Keys and values of every layer for the positions seen so far.
 ///
 /// A layer with an attention window (Gemma's sliding layers) keeps only

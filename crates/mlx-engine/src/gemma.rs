@@ -16,7 +16,7 @@ use mlx_rs::ops::{clip, tanh};
 use mlx_rs::{Array, Dtype};
 
 use crate::attention::attention;
-use crate::cache::{KvCache, LayerMask};
+use crate::cache::{at_position, KvCache, LayerMask};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::fused::gelu_tanh_mul;
@@ -422,18 +422,7 @@ impl Pass<'_> {
             .into_iter()
             .flatten()
         {
-            // `own` is `(B or 1, 1, L, T)`, `shared` `(B, L, P)`.
-            let own = mask
-                .own
-                .as_ref()
-                .map(|m| at_position(m, 2, last))
-                .transpose()?;
-            let shared = mask
-                .shared
-                .as_ref()
-                .map(|m| at_position(m, 1, last))
-                .transpose()?;
-            *mask = LayerMask { own, shared };
+            *mask = mask.of_last(self.l)?;
         }
         self.positions = self.positions.advanced(self.l - 1)?;
         self.l = 1;
@@ -571,11 +560,6 @@ impl Layer {
         outputs.push(p.h.clone());
         Ok(outputs)
     }
-}
-
-/// `a`'s position `at` along `axis`, the axis kept (of length 1).
-fn at_position(a: &Array, axis: i32, at: i32) -> Result<Array> {
-    Ok(a.take_axis(Array::from_slice(&[at], &[1]), axis)?)
 }
 
 /// A Python float as mlx_lm's arithmetic sees it: rounded to the array's

@@ -5,7 +5,7 @@ use mlx_rs::fast;
 use mlx_rs::Array;
 
 use crate::attention::attention;
-use crate::cache::{KvCache, LayerMask};
+use crate::cache::{at_position, KvCache, LayerMask};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::fused::silu_mul;
@@ -109,12 +109,21 @@ impl Llama {
     /// norm, of each of the independent forwards of `tokens` over `caches`
     /// (one cache each, extended); layer by layer (see
     /// [`Layers::forward_each`]).
+    ///
+    /// With `last_only`, only the last position's output is wanted (`(B, 1,
+    /// hidden)` comes back): the last layer writes every position's keys
+    /// and values, then runs its queries, attention and MLP on the last
+    /// position alone (nothing reads the others' outputs).
     pub(crate) fn hidden_each<'c>(
         &self,
         c: &ModelConfig,
         tokens: &[Array],
         caches: &'c mut [KvCache],
+        last_only: bool,
     ) -> Result<Vec<Array>> {
+        let narrow_at = (c.num_hidden_layers as usize)
+            .checked_sub(1)
+            .filter(|_| last_only);
         let begin = |tokens: &Array, cache: &'c mut KvCache| {
             let l = tokens.dim(1);
             Ok(Pass {
@@ -123,6 +132,8 @@ impl Llama {
                 positions: Positions::of(cache),
                 b: tokens.dim(0),
                 l,
+                new: l,
+                narrow_at,
                 cache,
             })
         };
@@ -139,13 +150,18 @@ struct Pass<'c> {
     mask: LayerMask,
     positions: Positions,
     b: i32,
+    /// Positions the queries run on: `new`, or 1 once narrowed.
     l: i32,
+    /// Positions appended to the cache.
+    new: i32,
+    /// The layer whose queries run on the last position alone.
+    narrow_at: Option<usize>,
     cache: &'c mut KvCache,
 }
 
 impl Forward for Pass<'_> {
     fn finish(self) -> Result<Array> {
-        self.cache.advance(self.l)?;
+        self.cache.advance(self.new)?;
         Ok(self.x)
     }
 }
@@ -165,19 +181,38 @@ impl Layer {
         let split = |a: Array, n: i32| -> Result<Array> {
             Ok(a.reshape(&[b, l, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
         };
-        let mut q = split(self.q.forward(&h)?, heads)?;
         let mut k = split(self.k.forward(&h)?, kv_heads)?;
         let v = split(self.v.forward(&h)?, kv_heads)?;
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
+        if let Some(kn) = &self.k_norm {
             k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
         }
-        let rope = |x: &Array| {
-            p.positions
-                .rope(x, hd, c.rope_traditional, Some(c.rope_theta), 1.0, None)
+        let rope = |x: &Array, positions: &Positions| {
+            positions.rope(x, hd, c.rope_traditional, Some(c.rope_theta), 1.0, None)
         };
-        let (q, k) = (rope(&q)?, rope(&k)?);
+        let k = rope(&k, &p.positions)?;
         let (k, v) = p.cache.append(i, k, v, None)?;
+        // Every position's keys and values are written: in the last layer
+        // of a prefill only the last position's queries matter from here.
+        let h = if p.narrow_at == Some(i) {
+            let last = p.l - 1;
+            p.x = at_position(&p.x, 1, last)?;
+            p.mask = p.mask.of_last(p.l)?;
+            p.positions = p.positions.advanced(last)?;
+            p.l = 1;
+            at_position(&h, 1, last)?
+        } else {
+            h
+        };
+        let l = p.l;
+        let mut q = self
+            .q
+            .forward(&h)?
+            .reshape(&[b, l, heads, hd])?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        if let Some(qn) = &self.q_norm {
+            q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
+        }
+        let q = rope(&q, &p.positions)?;
         let attended = attention(&q, p.cache.shared(i), (&k, &v), &p.mask, scale)?;
         let attended = attended
             .transpose_axes(&[0, 2, 1, 3])?

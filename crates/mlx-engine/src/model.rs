@@ -199,7 +199,7 @@ impl Model {
     ) -> Result<Vec<Array>> {
         match &self.decoder {
             Decoder::Gemma(g) => g.hidden_each(&self.config, tokens, caches, last_only),
-            Decoder::Llama(m) => m.hidden_each(&self.config, tokens, caches),
+            Decoder::Llama(m) => m.hidden_each(&self.config, tokens, caches, last_only),
         }
     }
 

@@ -95,12 +95,7 @@ fn check_against_mlx_lm(python: &str, dir: &Path, mode: QuantizedWeights, tolera
     model
         .forward_last(&Array::from_slice(&p, &[1, p.len() as i32]), &mut shared)
         .unwrap();
-    let width = suffixes.iter().map(Vec::len).max().unwrap();
-    let pads: Vec<i32> = suffixes.iter().map(|s| (width - s.len()) as i32).collect();
-    let block: Vec<i32> = suffixes
-        .iter()
-        .flat_map(|s| std::iter::repeat_n(0, width - s.len()).chain(ids(s)))
-        .collect();
+    let (block, pads, width) = left_padded(&suffixes);
     let mut cache = shared.fork(suffixes.len() as i32).unwrap();
     cache.set_pads(pads).unwrap();
     let rows = suffixes.len() as i32;
@@ -231,12 +226,7 @@ fn last_position_prefill_check(dir: &Path, version: u32) {
     model
         .forward(&Array::from_slice(&p, &[1, p.len() as i32]), &mut shared)
         .unwrap();
-    let width = suffixes.iter().map(Vec::len).max().unwrap();
-    let block: Vec<i32> = suffixes
-        .iter()
-        .flat_map(|s| std::iter::repeat_n(0, width - s.len()).chain(ids(s)))
-        .collect();
-    let pads: Vec<i32> = suffixes.iter().map(|s| (width - s.len()) as i32).collect();
+    let (block, pads, width) = left_padded(&suffixes);
     let rows = suffixes.len() as i32;
     let run = |last_only: bool| {
         let mut cache = shared.fork(rows).unwrap();
@@ -285,12 +275,7 @@ fn gemma4_in_low_memory_modes_equals_resident() {
         write_gemma4(dir.path(), layout, quantized);
         let (prefix, suffixes) = prompt_tokens(dir.path());
         let full = ids(&[prefix.clone(), suffixes[3].clone()].concat());
-        let width = suffixes.iter().map(Vec::len).max().unwrap();
-        let block: Vec<i32> = suffixes
-            .iter()
-            .flat_map(|s| std::iter::repeat_n(0, width - s.len()).chain(ids(s)))
-            .collect();
-        let pads: Vec<i32> = suffixes.iter().map(|s| (width - s.len()) as i32).collect();
+        let (block, pads, width) = left_padded(&suffixes);
         let rows = suffixes.len() as i32;
         let logits = |mode, memory| {
             let model = Model::load_with(dir.path(), mode, memory).unwrap();

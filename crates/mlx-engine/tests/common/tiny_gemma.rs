@@ -381,3 +381,15 @@ pub const MAX_TOKENS: usize = 6;
 pub fn ids(tokens: &[u32]) -> Vec<i32> {
     tokens.iter().map(|&t| t as i32).collect()
 }
+
+/// The suffixes as one left-padded batch: `(tokens (rows × width), each
+/// row's padding, width)`.
+pub fn left_padded(suffixes: &[Vec<u32>]) -> (Vec<i32>, Vec<i32>, usize) {
+    let width = suffixes.iter().map(Vec::len).max().unwrap_or(0);
+    let block = suffixes
+        .iter()
+        .flat_map(|s| std::iter::repeat_n(0, width - s.len()).chain(ids(s)))
+        .collect();
+    let pads = suffixes.iter().map(|s| (width - s.len()) as i32).collect();
+    (block, pads, width)
+}
