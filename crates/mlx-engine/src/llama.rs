@@ -121,9 +121,7 @@ impl Llama {
         caches: &'c mut [KvCache],
         last_only: bool,
     ) -> Result<Vec<Array>> {
-        let narrow_at = (c.num_hidden_layers as usize)
-            .checked_sub(1)
-            .filter(|_| last_only);
+        let narrow_at = c.num_hidden_layers.checked_sub(1).filter(|_| last_only);
         let begin = |tokens: &Array, cache: &'c mut KvCache| {
             let l = tokens.dim(1);
             Ok(Pass {
