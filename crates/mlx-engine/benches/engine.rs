@@ -146,10 +146,10 @@ fn list(args: &[String], flag: &str, default: &str) -> Vec<String> {
 struct LinearWork {
     /// FLOPs of a token through every layer (a decode step).
     per_token: f64,
-    /// Of `per_token`, the layers that write no keys or values (Gemma 4's
-    /// KV-shared ones): a prefill runs them on each row's last position
-    /// only.
-    shared_per_token: f64,
+    /// Of `per_token`, what a prefill runs on each row's last position
+    /// only: everything after the last key/value projections (the rest of
+    /// that layer, and Gemma 4's KV-shared layers after it).
+    last_only_per_token: f64,
     head: f64,
     hidden: i32,
     intermediate: i32,
@@ -177,7 +177,8 @@ impl LinearWork {
         let double_wide = c.get("use_double_wide_mlp") == Some(&serde_json::Value::Bool(true));
         let per_layer = get("hidden_size_per_layer_input").unwrap_or(0.0);
         let mut per_token = 0.0;
-        let mut shared_per_token = 0.0;
+        let mut last_only_per_token = 0.0;
+        let last_writer = layers - shared - 1.0;
         for layer in 0..layers as usize {
             let full = types
                 .and_then(|t| t.get(layer))
@@ -190,16 +191,17 @@ impl LinearWork {
             let q = heads * hd;
             let kv = if is_shared { 0.0 } else { 2.0 * kv_heads * hd };
             let inter = if is_shared && double_wide { 2.0 * i } else { i };
-            let flops = 2.0 * (h * (q + kv) + q * h + 3.0 * h * inter + 2.0 * h * per_layer);
-            per_token += flops;
-            if is_shared {
-                shared_per_token += flops;
+            let writes = 2.0 * h * kv;
+            let rest = 2.0 * (h * q + q * h + 3.0 * h * inter + 2.0 * h * per_layer);
+            per_token += writes + rest;
+            if (layer as f64) >= last_writer {
+                last_only_per_token += rest;
             }
         }
         per_token += 2.0 * h * layers * per_layer;
         Some(LinearWork {
             per_token,
-            shared_per_token,
+            last_only_per_token,
             head: 2.0 * h * get("vocab_size")?,
             hidden: h as i32,
             intermediate: i as i32,
@@ -210,11 +212,11 @@ impl LinearWork {
     /// `generated` for `conversations` conversations in `seconds`.
     fn gflops(&self, seconds: f64, conversations: f64, prompt: f64, generated: f64) -> f64 {
         // The first token of each comes from the prefill's last position
-        // (the only one the KV-shared layers see); every later one is a
-        // decode step through the whole decoder.
+        // (the only one the layers after the last keys and values see);
+        // every later one is a decode step through the whole decoder.
         let decoded = (generated - conversations).max(0.0);
-        let prefill = prompt * (self.per_token - self.shared_per_token)
-            + conversations * self.shared_per_token;
+        let prefill = prompt * (self.per_token - self.last_only_per_token)
+            + conversations * self.last_only_per_token;
         let flops = prefill + decoded * self.per_token + generated.max(conversations) * self.head;
         flops / seconds / 1e9
     }

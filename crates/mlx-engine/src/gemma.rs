@@ -424,7 +424,7 @@ impl Pass<'_> {
         {
             *mask = mask.of_last(self.l)?;
         }
-        self.positions = self.positions.advanced(self.l - 1)?;
+        self.positions = self.positions.advanced(last)?;
         self.l = 1;
         Ok(())
     }

@@ -146,11 +146,12 @@ impl Model {
     /// every position would cost a `(B·L, vocab)` matrix (vocabularies are
     /// large: 49 152 for SmolLM2, 262 144 for Gemma) that is thrown away.
     ///
-    /// In Gemma, everything after the last layer's keys and values are
-    /// written runs on the last position alone (see `Gemma::hidden_each`):
-    /// for Gemma 4 E2B that is the second half of layer 14 and the 20
-    /// KV-shared, double-wide layers after it, so a prefill costs about a
-    /// third of a full forward. The logits agree with `forward`'s last
+    /// Everything after the last keys and values are written runs on the
+    /// last position alone: the rest of the last layer (llama family,
+    /// Gemma 3) or, in Gemma 4, the rest of the last layer before the
+    /// KV-shared ones and all of those (see `Gemma::hidden_each`; for E2B
+    /// the second half of layer 14 and the 20 double-wide layers after it,
+    /// so a prefill costs about a third of a full forward). The logits agree with `forward`'s last
     /// position to rounding, not bit for bit (fewer rows in the products).
     pub fn forward_last(&self, tokens: &Array, cache: &mut KvCache) -> Result<Array> {
         let x = self.hidden(tokens, cache, true)?;
