@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::fused::gelu_tanh_mul;
 use crate::gemma_config::{GemmaSpec, Version};
 use crate::layers::{Forward, Layers};
+use crate::mlp::gated_mlp;
 use crate::rope::Positions;
 use crate::weights::{Embedding, Linear, Weights};
 
@@ -534,9 +535,8 @@ impl Layer {
         )?;
         let mut h = residual_add(spec.version, &p.h, &out)?;
         let x = fast::rms_norm(&h, Some(&self.pre_feedforward_norm), c.rms_norm_eps)?;
-        let gated = gelu_mul(&self.gate.forward(&x)?, &self.up.forward(&x)?)?;
         let out = fast::rms_norm(
-            &self.down.forward(&gated)?,
+            &gated_mlp(&x, &self.gate, &self.up, &self.down, gelu_mul)?,
             Some(&self.post_feedforward_norm),
             c.rms_norm_eps,
         )?;

@@ -106,6 +106,7 @@ mod gguf_quants;
 mod layers;
 mod llama;
 mod mapped;
+mod mlp;
 mod model;
 mod options;
 mod rope;

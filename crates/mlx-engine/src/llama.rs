@@ -10,6 +10,7 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::fused::silu_mul;
 use crate::layers::{Forward, Layers};
+use crate::mlp::gated_mlp;
 use crate::rope::Positions;
 use crate::weights::{Embedding, Linear, Weights};
 
@@ -217,8 +218,8 @@ impl Layer {
             .reshape(&[b, l, heads * hd])?;
         let x1 = p.x.add(self.o.forward(&attended)?)?;
         let h = fast::rms_norm(&x1, Some(&self.post_norm), c.rms_norm_eps)?;
-        let gated = silu_mul(&self.gate.forward(&h)?, &self.up.forward(&h)?)?;
-        p.x = x1.add(self.down.forward(&gated)?)?;
+        let act = |g: &Array, u: &Array| Ok(silu_mul(g, u)?);
+        p.x = x1.add(gated_mlp(&h, &self.gate, &self.up, &self.down, act)?)?;
         Ok(vec![p.x.clone(), k, v])
     }
 }

@@ -6,6 +6,7 @@
 //! failed product later.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -432,6 +433,91 @@ impl Linear {
             Some(b) => y.add(b)?,
             None => y,
         })
+    }
+}
+
+impl Linear {
+    /// The packed weight, when it is unpacked before each product and the
+    /// layer has no bias: what [`crate::mlp`] slices.
+    pub(crate) fn unpacked_on_use(&self) -> Option<OnUse<'_>> {
+        let packed = self.packed.as_ref().filter(|p| p.dequantize_on_use);
+        match (packed, &self.bias) {
+            (Some(packed), None) => Some(OnUse {
+                weight: &self.weight,
+                packed,
+            }),
+            _ => None,
+        }
+    }
+
+    /// A packed linear layer unpacked on use, for tests.
+    #[cfg(test)]
+    pub(crate) fn packed_on_use(
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        q: Quantization,
+    ) -> Linear {
+        Linear {
+            weight,
+            bias: None,
+            packed: Some(Packed {
+                scales,
+                biases,
+                q,
+                dequantize_on_use: true,
+            }),
+        }
+    }
+}
+
+/// A packed weight without bias, unpacked before each product, taken in
+/// parts (see [`Linear::unpacked_on_use`]).
+pub(crate) struct OnUse<'a> {
+    weight: &'a Array,
+    packed: &'a Packed,
+}
+
+impl OnUse<'_> {
+    pub(crate) fn q(&self) -> Quantization {
+        self.packed.q
+    }
+
+    /// The output width.
+    pub(crate) fn outputs(&self) -> usize {
+        self.weight.dim(0) as usize
+    }
+
+    /// `x · W[rows]ᵀ`: the outputs `rows` alone.
+    pub(crate) fn product_with_rows(&self, x: &Array, rows: Range<usize>) -> Result<Array> {
+        let p = self.packed;
+        let r = rows.start as i32..rows.end as i32;
+        let dense = dequantize_f32(
+            &self.weight.index(r.clone()),
+            &p.scales.index(r.clone()),
+            &p.biases.index(r),
+            p.q,
+        )?;
+        Ok(x.matmul(dense.t())?)
+    }
+
+    /// `x · W[:, columns]ᵀ` for `x` as wide as `columns`: the part of the
+    /// product summed over those inputs. `columns` are whole quantization
+    /// groups.
+    pub(crate) fn product_with_columns(&self, x: &Array, columns: Range<usize>) -> Result<Array> {
+        let p = self.packed;
+        let (gs, bits) = (p.q.group_size as usize, p.q.bits as usize);
+        let words = (columns.start * bits / 32) as i32..(columns.end * bits / 32) as i32;
+        let groups = (columns.start / gs) as i32..(columns.end / gs) as i32;
+        // Contiguous copies of the packed columns (an eighth of the f32
+        // slice at 4 bits): the unpacking reads its words as bytes.
+        let dense = dequantize_f32(
+            &self.weight.index((.., words)).contiguous()?,
+            &p.scales.index((.., groups.clone())).contiguous()?,
+            &p.biases.index((.., groups)).contiguous()?,
+            p.q,
+        )?;
+        Ok(x.matmul(dense.t())?)
     }
 }
 
