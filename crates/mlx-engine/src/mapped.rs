@@ -22,7 +22,7 @@ use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
 use crate::unpack::dequantize_f32;
-use crate::weights::{in_row_slices, transposed, QuantizedWeights};
+use crate::weights::{in_row_slices, transposed, GatheredRows, QuantizedWeights};
 
 /// One table in the files: its weight and, when packed, its scales and
 /// biases, all `vocab` rows long.
@@ -95,6 +95,11 @@ impl MappedTable {
 
     /// The rows of `tokens` `(B, L)`: `(B, L, dim)`.
     pub fn lookup(&self, tokens: &Array) -> Result<Array> {
+        self.unpacked(&self.gathered(tokens)?)
+    }
+
+    /// The rows of `tokens`, each distinct one read from the file once.
+    fn gathered(&self, tokens: &Array) -> Result<Rows> {
         // A prefill piece is a column slice of the padded block: copied
         // into a contiguous array before its ids are read.
         let ids = tokens.as_dtype(Dtype::Int32)?.contiguous()?;
@@ -129,14 +134,29 @@ impl MappedTable {
             .map(|id| distinct.binary_search(id).unwrap_or_default() as i32)
             .collect();
         let position = Array::from_slice(&position, tokens.shape());
-        let gathered = Rows {
+        Ok(Rows {
             weight: rows.weight.take_axis(&position, 0)?,
             packing: match &rows.packing {
                 Some((s, b)) => Some((s.take_axis(&position, 0)?, b.take_axis(&position, 0)?)),
                 None => None,
             },
-        };
-        self.unpacked(&gathered)
+        })
+    }
+
+    /// The rows of `tokens` as the file holds them (see
+    /// [`Embedding::gather`](crate::weights::Embedding::gather)).
+    pub fn gather(&self, tokens: &Array) -> Result<GatheredRows> {
+        let rows = self.gathered(tokens)?;
+        Ok(match (&self.packing, rows.packing) {
+            (Some(p), Some((scales, biases))) => GatheredRows::Packed {
+                weight: rows.weight,
+                scales,
+                biases,
+                q: p.q,
+                f32_rows: p.f32_rows,
+            },
+            _ => GatheredRows::Dense(rows.weight),
+        })
     }
 
     /// `x · tableᵀ`: the tied output projection, `(…, vocab)`, a slice of

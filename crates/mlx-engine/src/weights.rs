@@ -384,20 +384,24 @@ impl Packed {
         Ok(dequantize_f32(weight, &self.scales, &self.biases, self.q)?)
     }
 
+    /// `x · W[rows]ᵀ` for the packed `weight`: the outputs `rows` alone,
+    /// those rows unpacked to f32.
+    fn product_with_rows(&self, x: &Array, weight: &Array, rows: Range<usize>) -> Result<Array> {
+        let r = rows.start as i32..rows.end as i32;
+        let dense = dequantize_f32(
+            &weight.index(r.clone()),
+            &self.scales.index(r.clone()),
+            &self.biases.index(r),
+            self.q,
+        )?;
+        Ok(x.matmul(dense.t())?)
+    }
+
     /// `x · Wᵀ` for the packed `weight`, unpacked to f32 and multiplied a
     /// slice of rows at a time (see [`in_row_slices`]).
     fn product_in_slices(&self, x: &Array, weight: &Array) -> Result<Array> {
         let (rows, dim) = (weight.dim(0) as usize, x.dim(-1) as usize);
-        in_row_slices(rows, dim, |r| {
-            let r = r.start as i32..r.end as i32;
-            let dense = dequantize_f32(
-                &weight.index(r.clone()),
-                &self.scales.index(r.clone()),
-                &self.biases.index(r),
-                self.q,
-            )?;
-            Ok(x.matmul(dense.t())?)
-        })
+        in_row_slices(rows, dim, |r| self.product_with_rows(x, weight, r))
     }
 
     pub fn quantized_matmul(&self, x: &Array, weight: &Array) -> Result<Array> {
@@ -437,6 +441,29 @@ impl Linear {
 }
 
 impl Linear {
+    /// The outputs `outputs` of [`forward`](Self::forward) alone, from
+    /// those rows of the weight.
+    pub(crate) fn forward_outputs(&self, x: &Array, outputs: Range<usize>) -> Result<Array> {
+        let r = outputs.start as i32..outputs.end as i32;
+        let y = match &self.packed {
+            Some(p) if p.dequantize_on_use => p.product_with_rows(x, &self.weight, outputs)?,
+            Some(p) => quantized_matmul(
+                x,
+                self.weight.index(r.clone()),
+                p.scales.index(r.clone()),
+                &p.biases.index(r.clone()),
+                true,
+                p.q.group_size,
+                p.q.bits,
+            )?,
+            None => x.matmul(self.weight.index((.., r.clone())))?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.add(b.index(r))?,
+            None => y,
+        })
+    }
+
     /// The packed weight, when it is unpacked before each product and the
     /// layer has no bias: what [`crate::mlp`] slices.
     pub(crate) fn unpacked_on_use(&self) -> Option<OnUse<'_>> {
@@ -490,15 +517,7 @@ impl OnUse<'_> {
 
     /// `x · W[rows]ᵀ`: the outputs `rows` alone.
     pub(crate) fn product_with_rows(&self, x: &Array, rows: Range<usize>) -> Result<Array> {
-        let p = self.packed;
-        let r = rows.start as i32..rows.end as i32;
-        let dense = dequantize_f32(
-            &self.weight.index(r.clone()),
-            &p.scales.index(r.clone()),
-            &p.biases.index(r),
-            p.q,
-        )?;
-        Ok(x.matmul(dense.t())?)
+        self.packed.product_with_rows(x, self.weight, rows)
     }
 
     /// `x · W[:, columns]ᵀ` for `x` as wide as `columns`: the part of the
@@ -592,6 +611,22 @@ impl Embedding {
         })
     }
 
+    /// The rows of `tokens` `(B, L)` as the table holds them, to be
+    /// unpacked a range of columns at a time.
+    pub fn gather(&self, tokens: &Array) -> Result<GatheredRows> {
+        Ok(match self {
+            Embedding::DenseT(_) | Embedding::Dense(_) => GatheredRows::Dense(self.lookup(tokens)?),
+            Embedding::Packed { weight, packed } => GatheredRows::Packed {
+                weight: weight.take_axis(tokens, 0)?,
+                scales: packed.scales.take_axis(tokens, 0)?,
+                biases: packed.biases.take_axis(tokens, 0)?,
+                q: packed.q,
+                f32_rows: false,
+            },
+            Embedding::Mapped(table) => table.gather(tokens)?,
+        })
+    }
+
     /// `x · tableᵀ`: the tied output projection, `(…, vocab)`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         Ok(match self {
@@ -602,6 +637,84 @@ impl Embedding {
             }
             Embedding::Mapped(table) => table.as_linear(x)?,
             Embedding::Packed { weight, packed } => packed.product_in_slices(x, weight)?,
+        })
+    }
+}
+
+/// A table's rows for some tokens, `(B, L, …)`, as the table holds them
+/// (see [`Embedding::gather`]). Gemma 4 reads its per-layer table a layer's
+/// columns at a time: the whole rows unpacked are 35 layers wide.
+pub(crate) enum GatheredRows {
+    Dense(Array),
+    /// `f32_rows`: unpacked to f32 ([`dequantize_f32`]), else to the scales'
+    /// dtype, as the table's own lookup does.
+    Packed {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        q: Quantization,
+        f32_rows: bool,
+    },
+}
+
+impl GatheredRows {
+    /// `columns` of every row, `(B, L, columns.len())`: the values a lookup
+    /// gives there.
+    pub(crate) fn columns(&self, columns: Range<usize>) -> Result<Array> {
+        let range = |r: Range<usize>| r.start as i32..r.end as i32;
+        Ok(match self {
+            GatheredRows::Dense(a) => a.index((.., .., range(columns))),
+            GatheredRows::Packed {
+                weight,
+                scales,
+                biases,
+                q,
+                f32_rows,
+            } => {
+                // The groups that cover `columns` (a layer's columns of
+                // Gemma 4's table need not be whole groups).
+                let (gs, bits) = (q.group_size as usize, q.bits as usize);
+                let groups = columns.start / gs..columns.end.div_ceil(gs);
+                let first = groups.start * gs;
+                let words = range(first * bits / 32..groups.end * gs * bits / 32);
+                let w = weight.index((.., .., words));
+                let groups = range(groups);
+                let (s, b) = (
+                    scales.index((.., .., groups.clone())),
+                    biases.index((.., .., groups)),
+                );
+                let dense = if *f32_rows {
+                    dequantize_f32(&w, &s, &b, *q)?
+                } else {
+                    dequantize(&w, &s, &b, q.group_size, q.bits)?
+                };
+                if dense.dim(-1) as usize == columns.len() {
+                    dense
+                } else {
+                    dense.index((.., .., range(columns.start - first..columns.end - first)))
+                }
+            }
+        })
+    }
+
+    /// The rows of position `at` of axis 1 alone, the axis kept.
+    pub(crate) fn at_position(&self, at: i32) -> Result<GatheredRows> {
+        let keep = |a: &Array| crate::cache::at_position(a, 1, at);
+        Ok(match self {
+            GatheredRows::Dense(a) => GatheredRows::Dense(keep(a)?),
+            GatheredRows::Packed {
+                weight,
+                scales,
+                biases,
+                q,
+                f32_rows,
+            } => GatheredRows::Packed {
+                weight: keep(weight)?,
+                scales: keep(scales)?,
+                biases: keep(biases)?,
+                q: *q,
+                f32_rows: *f32_rows,
+            },
         })
     }
 }
@@ -620,6 +733,49 @@ mod tests {
         assert_eq!(mode(8 * GIB, Some(8 * GIB)), MemoryMode::MappedTables);
         assert_eq!(mode(9 * GIB, Some(8 * GIB)), MemoryMode::Streamed);
         assert_eq!(mode(100 * GIB, None), MemoryMode::Resident);
+    }
+
+    /// A gathered packed table's columns, whole groups or not, and its
+    /// last position alone, are the lookup's values there, bit for bit.
+    #[test]
+    fn gathered_columns_equal_the_lookup() {
+        let key = mlx_rs::random::key(7).unwrap();
+        let table = mlx_rs::random::normal::<f32>(&[10, 128], None, None, &key).unwrap();
+        let (weight, scales, biases) = mlx_rs::ops::quantize(&table, 32, 4).unwrap();
+        let q = Quantization {
+            group_size: 32,
+            bits: 4,
+        };
+        let table = Embedding::Packed {
+            weight,
+            packed: Packed {
+                scales,
+                biases,
+                q,
+                dequantize_on_use: true,
+            },
+        };
+        let tokens = Array::from_slice(&[3, 1, 4, 1, 5, 9], &[2, 3]);
+        let looked_up = table.lookup(&tokens).unwrap();
+        let gathered = table.gather(&tokens).unwrap();
+        let bits = |a: &Array| -> Vec<u32> {
+            let a = a
+                .as_dtype(mlx_rs::Dtype::Float32)
+                .unwrap()
+                .contiguous()
+                .unwrap();
+            a.eval().unwrap();
+            a.as_slice::<f32>().iter().map(|v| v.to_bits()).collect()
+        };
+        for (start, end) in [(0, 32), (32, 96), (40, 56), (16, 48), (0, 128)] {
+            let columns = gathered.columns(start..end).unwrap();
+            let expected = looked_up.index((.., .., start as i32..end as i32));
+            assert_eq!(columns.shape(), expected.shape());
+            assert!(bits(&columns) == bits(&expected), "columns {start}..{end}");
+        }
+        let last = gathered.at_position(2).unwrap().columns(16..48).unwrap();
+        let expected = looked_up.index((.., 2..3, 16..48));
+        assert!(bits(&last) == bits(&expected));
     }
 
     #[test]
