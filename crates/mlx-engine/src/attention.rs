@@ -158,6 +158,7 @@ fn rows_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::max_abs_diff;
     use mlx_rs::random;
 
     /// Rows attended a group at a time give what all rows at once give,
@@ -187,15 +188,8 @@ mod tests {
             for rows in [1, 2, 3] {
                 let grouped = in_row_groups(&q, shared, own, &mask, 0.3, rows).unwrap();
                 assert_eq!(grouped.shape(), whole.shape());
-                let diff = grouped
-                    .subtract(&whole)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max(None)
-                    .unwrap();
                 assert!(
-                    diff.item_exact::<f32>() <= 1e-6,
+                    max_abs_diff(&grouped, &whole) <= 1e-6,
                     "{rows} rows at a time, own mask of {own_rows} rows"
                 );
             }

@@ -110,6 +110,8 @@ mod mlp;
 mod model;
 mod options;
 mod rope;
+#[cfg(test)]
+mod test_support;
 mod tokenizer;
 mod unpack;
 mod weights;

@@ -83,6 +83,7 @@ mod tests {
     use mlx_support::Quantization;
 
     use crate::fused::silu_mul;
+    use crate::test_support::max_abs_diff;
 
     fn packed(rows: i32, cols: i32, seed: u64) -> Linear {
         let key = random::key(seed).unwrap();
@@ -120,15 +121,8 @@ mod tests {
             let parts = [&gate, &up, &down].map(|l| l.unpacked_on_use().unwrap());
             let sliced = in_slices(&x, parts, &act, width).unwrap();
             assert_eq!(sliced.shape(), whole.shape());
-            let diff = sliced
-                .subtract(&whole)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max(None)
-                .unwrap();
-            let scale = whole.abs().unwrap().max(None).unwrap();
-            let (diff, scale) = (diff.item_exact::<f32>(), scale.item_exact::<f32>());
+            let diff = max_abs_diff(&sliced, &whole);
+            let scale = whole.abs().unwrap().max(None).unwrap().item_exact::<f32>();
             assert!(
                 diff <= 1e-5 * scale,
                 "width {width}: {diff} against values up to {scale}"
