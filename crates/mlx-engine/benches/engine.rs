@@ -192,13 +192,15 @@ impl LinearWork {
             let kv = if is_shared { 0.0 } else { 2.0 * kv_heads * hd };
             let inter = if is_shared && double_wide { 2.0 * i } else { i };
             let writes = 2.0 * h * kv;
-            let rest = 2.0 * (h * q + q * h + 3.0 * h * inter + 2.0 * h * per_layer);
+            // The layer's gate and projection of its per-layer input, and
+            // the model's projection of the embedding onto that input
+            // (computed in the layer that reads it).
+            let rest = 2.0 * (h * q + q * h + 3.0 * h * inter + 3.0 * h * per_layer);
             per_token += writes + rest;
             if (layer as f64) >= last_writer {
                 last_only_per_token += rest;
             }
         }
-        per_token += 2.0 * h * layers * per_layer;
         Some(LinearWork {
             per_token,
             last_only_per_token,
