@@ -498,6 +498,17 @@ impl Linear {
     }
 }
 
+/// The packed words and the groups that hold `columns` of a packed row, and
+/// the first column they hold: whole quantization groups, from the one
+/// that holds `columns.start` to the one that holds its last column.
+fn packed_span(q: Quantization, columns: Range<usize>) -> (Range<i32>, Range<i32>, usize) {
+    let (gs, bits) = (q.group_size as usize, q.bits as usize);
+    let groups = columns.start / gs..columns.end.div_ceil(gs);
+    let first = groups.start * gs;
+    let words = (first * bits / 32) as i32..(groups.end * gs * bits / 32) as i32;
+    (words, groups.start as i32..groups.end as i32, first)
+}
+
 /// A packed weight without bias, unpacked before each product, taken in
 /// parts (see [`Linear::unpacked_on_use`]).
 pub(crate) struct OnUse<'a> {
@@ -525,9 +536,7 @@ impl OnUse<'_> {
     /// groups.
     pub(crate) fn product_with_columns(&self, x: &Array, columns: Range<usize>) -> Result<Array> {
         let p = self.packed;
-        let (gs, bits) = (p.q.group_size as usize, p.q.bits as usize);
-        let words = (columns.start * bits / 32) as i32..(columns.end * bits / 32) as i32;
-        let groups = (columns.start / gs) as i32..(columns.end / gs) as i32;
+        let (words, groups, _) = packed_span(p.q, columns);
         // Contiguous copies of the packed columns (an eighth of the f32
         // slice at 4 bits): the unpacking reads its words as bytes.
         let dense = dequantize_f32(
@@ -671,14 +680,10 @@ impl GatheredRows {
                 q,
                 f32_rows,
             } => {
-                // The groups that cover `columns` (a layer's columns of
-                // Gemma 4's table need not be whole groups).
-                let (gs, bits) = (q.group_size as usize, q.bits as usize);
-                let groups = columns.start / gs..columns.end.div_ceil(gs);
-                let first = groups.start * gs;
-                let words = range(first * bits / 32..groups.end * gs * bits / 32);
+                // A layer's columns of Gemma 4's table need not be whole
+                // groups: the covering groups are unpacked.
+                let (words, groups, first) = packed_span(*q, columns.clone());
                 let w = weight.index((.., .., words));
-                let groups = range(groups);
                 let (s, b) = (
                     scales.index((.., .., groups.clone())),
                     biases.index((.., .., groups)),
