@@ -146,7 +146,23 @@ fn end_to_end(
         o.batch_size
     );
     let examples = demo::e2e::read_dataset(&o.dataset)?;
-    let c = demo::e2e::classify(&fused, &examples, o.batch_size, o.max_tokens)?;
+    // The demo runs one step at a time, so no MLX work runs now: OpenBLAS's
+    // cores shared out between the chunks the engine runs side by side,
+    // and given back after (the streaming step multiplies on all of them).
+    let lanes = mlx_engine::default_lanes(
+        mlx_support::best_device(),
+        mlx_engine::MemoryMode::for_model_dir(&fused),
+    );
+    let blas_before = mlx_engine::share_blas_threads(lanes);
+    println!(
+        "{lanes} chunk(s) side by side, OpenBLAS threads each: {}",
+        mlx_support::blas_threads().map_or_else(|| "n/a (no OpenBLAS)".into(), |n| n.to_string())
+    );
+    let c = demo::e2e::classify(&fused, &examples, o.batch_size, o.max_tokens);
+    if let Some(n) = blas_before {
+        mlx_support::set_blas_threads(n);
+    }
+    let c = c?;
     println!(
         "accuracy {:.1}% on {} reviews; rows: label, columns: predicted 1-5",
         c.accuracy * 100.0,

@@ -19,6 +19,8 @@
 //! `--memory resident,mapped,streamed` (ours with the embedding tables
 //! resident or left in the files, or with the decoder layers streamed from
 //! the files as well; default resident and mapped, Gemma 3 resident only),
+//! `--lanes 1,2` (each of our rows again with that many chunks run side by
+//! side, labelled with the count; default: the engine's own choice),
 //! `--cold` (every run of either side starts with the model's files dropped
 //! from the page cache: Linux).
 
@@ -92,15 +94,17 @@ fn child(
     if options.contains(&"f32-at-load") {
         config = config.quantized(mlx_engine::QuantizedWeights::DequantizeF32);
     }
-    // Set either way, so that the rows do not depend on the machine's
-    // memory (the engine's default does).
-    config = config.memory(if options.contains(&"mapped") {
-        MemoryMode::MappedTables
-    } else if options.contains(&"streamed") {
-        MemoryMode::Streamed
-    } else {
-        MemoryMode::Resident
-    });
+    let memory = config_memory(&options);
+    config = config.memory(memory);
+    // `lanes=N` sets them; without it, the engine's default. Either way
+    // OpenBLAS's threads are shared out between them, as an application
+    // does at its start (before the engine's first MLX work).
+    let lanes = match options.iter().find_map(|o| o.strip_prefix("lanes=")) {
+        Some(lanes) => lanes.parse().unwrap(),
+        None => mlx_engine::default_lanes(mlx_support::best_device(), memory),
+    };
+    mlx_engine::share_blas_threads(lanes);
+    config = config.lanes(lanes);
     let engine = MlxEngine::new(config).unwrap();
     engine.ensure_loaded().unwrap();
     let s = engine
@@ -116,6 +120,18 @@ fn child(
         s.generated_tokens,
         engine.peak_memory_bytes().unwrap_or(0) / 1024
     );
+}
+
+/// The child's memory mode: set either way, so that the rows do not depend
+/// on the machine's memory (the engine's default does).
+fn config_memory(options: &[&str]) -> MemoryMode {
+    if options.contains(&"mapped") {
+        MemoryMode::MappedTables
+    } else if options.contains(&"streamed") {
+        MemoryMode::Streamed
+    } else {
+        MemoryMode::Resident
+    }
 }
 
 /// Drops the `.safetensors` files of `dir` (links followed) from the page
@@ -544,10 +560,28 @@ impl ModelBench {
                 other => println!("unknown --memory {other:?}: resident, mapped or streamed"),
             }
         }
+        // `--lanes 1,2`: each mode also with that many chunks side by side
+        // (`default`: the engine's own choice, the only row without it).
+        let mut runs: Vec<(String, String)> = Vec::new();
+        for &(flag, label) in &ours_modes {
+            for lanes in list(args, "--lanes", "default") {
+                runs.push(match lanes.as_str() {
+                    "default" => (flag.to_owned(), label.to_owned()),
+                    n => (
+                        format!("{flag},lanes={n}"),
+                        format!(
+                            "{}, {n} lane{}",
+                            label.trim_end(),
+                            if n == "1" { "" } else { "s" }
+                        ),
+                    ),
+                });
+            }
+        }
         for max_tokens in list(args, "--max-tokens", self.max_tokens) {
             for batch in list(args, "--batches", self.batches) {
                 let cold = args.iter().any(|a| a == "--cold");
-                for &(flag, label) in &ours_modes {
+                for (flag, label) in &runs {
                     if cold {
                         evict_model_files(&dir);
                     }
@@ -560,7 +594,7 @@ impl ModelBench {
                             self.system_words.to_string(),
                             batch.clone(),
                             max_tokens.clone(),
-                            flag.to_owned(),
+                            flag.clone(),
                         ])
                         .output()
                         .unwrap();

@@ -24,7 +24,9 @@ use adapter_codec::AdapterCodec;
 use adapter_fuse::FuseOptions;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use mlx_engine::{EngineConfig, GenerateOptions, LogitsProcessor, Message, MlxEngine, Tokenizer};
+use mlx_engine::{
+    EngineConfig, GenerateOptions, LogitsProcessor, MemoryMode, Message, MlxEngine, Tokenizer,
+};
 use mlx_rs::error::Exception;
 use mlx_rs::ops::select;
 use mlx_rs::Array;
@@ -141,6 +143,12 @@ fn main() -> Result<()> {
         .context("fusing the adapter")?;
     eprintln!("fused model: {}", fused.display());
 
+    // Nothing else runs MLX work now: OpenBLAS's cores shared out between
+    // the chunks the engine will run side by side.
+    mlx_engine::share_blas_threads(mlx_engine::default_lanes(
+        mlx_support::best_device(),
+        MemoryMode::for_model_dir(&fused),
+    ));
     let system = Message::new("system", system);
     let engine = MlxEngine::new(
         EngineConfig::new(&fused)

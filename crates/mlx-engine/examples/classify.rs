@@ -63,18 +63,23 @@ fn main() -> Result<()> {
         .prefix_messages(vec![system.clone()])
         .batch_size(args.batch)
         .worker_name("classify");
-    config = match args.memory {
+    let memory = match args.memory {
         Memory::Auto => {
-            println!(
-                "the engine's choice here: {:?}",
-                MemoryMode::for_model_dir(&model_dir)
-            );
-            config
+            let chosen = MemoryMode::for_model_dir(&model_dir);
+            println!("the engine's choice here: {chosen:?}");
+            chosen
         }
-        Memory::Resident => config.memory(MemoryMode::Resident),
-        Memory::Mapped => config.memory(MemoryMode::MappedTables),
-        Memory::Streamed => config.memory(MemoryMode::Streamed),
+        Memory::Resident => MemoryMode::Resident,
+        Memory::Mapped => MemoryMode::MappedTables,
+        Memory::Streamed => MemoryMode::Streamed,
     };
+    config = config.memory(memory);
+    // Before any MLX work: OpenBLAS's cores shared out between the chunks
+    // the engine will run side by side.
+    mlx_engine::share_blas_threads(mlx_engine::default_lanes(
+        mlx_support::best_device(),
+        memory,
+    ));
     let engine = MlxEngine::new(config)?;
     engine
         .ensure_loaded()

@@ -199,6 +199,19 @@ impl KvCache {
         })
     }
 
+    /// Computes every array this cache holds, so that other threads can
+    /// read it (MLX evaluates a lazy array on the stream that made it).
+    pub(crate) fn eval(&self) -> Result<()> {
+        let shared = self.shared.iter().flatten().flat_map(|(k, v)| [k, v]);
+        let owned = self
+            .owned
+            .iter()
+            .flatten()
+            .flat_map(|o| [&o.keys, &o.values]);
+        mlx_rs::transforms::eval(shared.chain(owned))?;
+        Ok(())
+    }
+
     /// Stacks caches forked from the same one along the batch axis, with
     /// room for `spare` more positions. Those with fewer owned positions
     /// than the longest are left-padded, counted in [`pads`](Self::pads).

@@ -311,6 +311,9 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         prefix_messages: config.prefix_messages,
         processor,
         batch_size: config.batch_size,
+        lanes: config
+            .lanes
+            .unwrap_or_else(|| crate::lanes::default_lanes(device, memory)),
         max_prompt_tokens,
         special_tokens: config.special_tokens,
     };

@@ -74,6 +74,10 @@ pub enum Error {
     /// processor that wrote NaN).
     #[error("the model produced NaN logits: its weights hold NaN or infinite values, or the logits processor wrote NaN")]
     NotFiniteLogits,
+    /// A lane lost the thread that applies the logits processor (it
+    /// stopped on another chunk's error).
+    #[error("the generation stopped while a chunk waited for its tokens to be picked")]
+    LanesStopped,
     /// A key/value cache used against its invariants (a bug in the caller
     /// of [`KvCache`](crate::KvCache)).
     #[error("key/value cache: {0}")]

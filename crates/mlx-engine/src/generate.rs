@@ -3,11 +3,12 @@
 use std::sync::Arc;
 
 use mlx_rs::ops::concatenate;
-use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use crate::cache::KvCache;
 use crate::error::EngineError;
+use crate::lanes::{self, Coordinator};
 use crate::model::Model;
 use crate::options::{GenerateOptions, LogitsProcessor, SpecialTokens};
 use crate::tokenizer::{Message, Tokenizer};
@@ -24,6 +25,8 @@ pub(crate) struct GenState {
     prefix_cache: KvCache,
     processor: Option<Box<dyn LogitsProcessor>>,
     batch_size: usize,
+    /// Chunks run side by side (see [`lanes`]).
+    lanes: usize,
     eos: Vec<u32>,
     max_prompt_tokens: usize,
     special_tokens: SpecialTokens,
@@ -34,6 +37,7 @@ pub(crate) struct GenSettings {
     pub prefix_messages: Vec<Message>,
     pub processor: Option<Box<dyn LogitsProcessor>>,
     pub batch_size: usize,
+    pub lanes: usize,
     pub max_prompt_tokens: usize,
     pub special_tokens: SpecialTokens,
 }
@@ -49,6 +53,7 @@ impl GenState {
             prefix_messages,
             processor,
             batch_size,
+            lanes,
             max_prompt_tokens,
             special_tokens,
         } = settings;
@@ -68,6 +73,10 @@ impl GenState {
             let _span =
                 tracing::info_span!("prefix_prefill", tokens = prefix_tokens.len()).entered();
             prefill_into(model, &mut prefix_cache, &[&prefix_tokens])?;
+            // Held as every fork reads it and computed now: once, and
+            // before lanes read it (see `lanes`).
+            prefix_cache = prefix_cache.fork(1)?;
+            prefix_cache.eval()?;
         }
         Ok(GenState {
             prefix_messages,
@@ -75,6 +84,7 @@ impl GenState {
             prefix_cache,
             processor,
             batch_size,
+            lanes: lanes.max(1),
             eos: tokenizer.eos_ids().iter().copied().collect(),
             max_prompt_tokens,
             special_tokens,
@@ -150,7 +160,7 @@ pub(crate) fn generate_batch(
     .entered();
     let max_tokens = options.max_tokens;
     let start = std::time::Instant::now();
-    let mut stats = GenerationStats {
+    let stats = GenerationStats {
         conversations: conversations.len(),
         ..GenerationStats::default()
     };
@@ -192,20 +202,108 @@ pub(crate) fn generate_batch(
             .last()
             .map_or(0, |m| m.content.chars().count())
     });
-    let mut texts = vec![String::new(); conversations.len()];
-    for chunk in order.chunks(state.batch_size) {
-        let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
-        let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
-        stats.prompt_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
-        let generated = generate_chunk(model, state, &rows, max_tokens).map_err(gen_err)?;
-        stats.generated_tokens += generated.iter().map(Vec::len).sum::<usize>();
-        for (&i, tokens) in chunk.iter().zip(generated) {
-            texts[i] = tokenizer.decode(&tokens).map_err(gen_err)?;
+    let chunks: Vec<&[usize]> = order.chunks(state.batch_size).collect();
+    let mut done = Finished {
+        chunks: &chunks,
+        suffixes: &suffixes,
+        tokenizer,
+        texts: vec![String::new(); conversations.len()],
+        stats,
+        on_progress: &mut options.on_progress,
+        processor: state.processor.as_deref_mut(),
+        failure: None,
+    };
+    let lanes = state.lanes.min(chunks.len());
+    if lanes > 1 && !model.streams_layers() {
+        let shared = lanes::Shared {
+            model,
+            prefix_cache: &state.prefix_cache,
+            eos: &state.eos,
+        };
+        let pick_in_lanes = done.processor.is_none();
+        lanes::run(
+            lanes,
+            &chunks,
+            &shared,
+            pick_in_lanes,
+            &mut done,
+            |s, chunk, pick| {
+                let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
+                let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
+                generate_chunk(s.model, s.prefix_cache, s.eos, pick, &rows, max_tokens)
+            },
+        );
+    } else {
+        for (index, chunk) in chunks.iter().enumerate() {
+            let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
+            let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
+            let generated = generate_chunk(
+                model,
+                &state.prefix_cache,
+                &state.eos,
+                &mut |logits| done.pick(logits),
+                &rows,
+                max_tokens,
+            );
+            if !done.finish(index, generated) {
+                break;
+            }
         }
-        (options.on_progress)(chunk.len());
     }
+    if let Some(e) = done.failure {
+        return Err(e);
+    }
+    let (texts, mut stats) = (done.texts, done.stats);
     stats.seconds = start.elapsed().as_secs_f64();
     Ok(Generation { texts, stats })
+}
+
+/// The chunks' results as they come, in any order: texts in place, stats,
+/// progress; the first error stops the rest.
+struct Finished<'a, 'p> {
+    chunks: &'a [&'a [usize]],
+    suffixes: &'a [Vec<u32>],
+    tokenizer: &'a Tokenizer,
+    texts: Vec<String>,
+    stats: GenerationStats,
+    on_progress: &'a mut (dyn FnMut(usize) + Send),
+    processor: Option<&'p mut (dyn LogitsProcessor + 'static)>,
+    failure: Option<EngineError>,
+}
+
+impl Finished<'_, '_> {
+    fn record(&mut self, index: usize, generated: Vec<Vec<u32>>) -> Result<(), EngineError> {
+        let chunk = self.chunks[index];
+        self.stats.prompt_tokens += chunk.iter().map(|&i| self.suffixes[i].len()).sum::<usize>();
+        self.stats.generated_tokens += generated.iter().map(Vec::len).sum::<usize>();
+        for (&i, tokens) in chunk.iter().zip(generated) {
+            self.texts[i] = self.tokenizer.decode(&tokens).map_err(gen_err)?;
+        }
+        (self.on_progress)(chunk.len());
+        Ok(())
+    }
+}
+
+impl lanes::Coordinator for Finished<'_, '_> {
+    fn pick(&mut self, logits: &Array) -> crate::Result<Vec<i32>> {
+        lanes::pick_tokens(self.processor.as_deref_mut(), logits)
+    }
+
+    fn finish(&mut self, index: usize, tokens: crate::Result<Vec<Vec<u32>>>) -> bool {
+        if self.failure.is_some() {
+            return false;
+        }
+        let outcome = tokens
+            .map_err(gen_err)
+            .and_then(|generated| self.record(index, generated));
+        match outcome {
+            Ok(()) => true,
+            Err(e) => {
+                self.failure = Some(e);
+                false
+            }
+        }
+    }
 }
 
 /// Splits a chunk's rows (sorted by length) into groups of neighbours to
@@ -248,7 +346,9 @@ fn prefill_groups(lengths: &[usize], pass_cost: usize) -> Vec<std::ops::Range<us
 /// chunk greedily as one batch.
 fn generate_chunk(
     model: &Model,
-    state: &mut GenState,
+    prefix_cache: &KvCache,
+    eos: &[u32],
+    pick: &mut dyn FnMut(&Array) -> crate::Result<Vec<i32>>,
     rows: &[&[u32]],
     max_tokens: usize,
 ) -> crate::Result<Vec<Vec<u32>>> {
@@ -265,14 +365,14 @@ fn generate_chunk(
         // is read once for the whole chunk.
         let mut blocks = Vec::with_capacity(groups.len());
         for group in &groups {
-            let mut cache = state.prefix_cache.fork(group.len() as i32)?;
+            let mut cache = prefix_cache.fork(group.len() as i32)?;
             blocks.push(padded_block(&mut cache, &rows[group.clone()])?);
             parts.push(cache);
         }
         lasts = model.forward_last_each(&blocks, &mut parts)?;
     } else {
         for group in groups {
-            let (cache, last) = prefill(model, &state.prefix_cache, &rows[group])?;
+            let (cache, last) = prefill(model, prefix_cache, &rows[group])?;
             parts.push(cache);
             lasts.push(last);
         }
@@ -287,29 +387,10 @@ fn generate_chunk(
     } else {
         KvCache::new()
     };
-    let eos = &state.eos;
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
     for step in 0..max_tokens {
-        if let Some(processor) = state.processor.as_mut() {
-            let processed = processor.process(&last)?;
-            if processed.shape() != last.shape() {
-                return Err(crate::Error::ProcessorShape {
-                    expected: last.shape().to_vec(),
-                    actual: processed.shape().to_vec(),
-                });
-            }
-            last = processed;
-        }
-        let next = argmax_axis(&last, -1, None)?.as_dtype(mlx_rs::Dtype::Int32)?;
-        // NaN logits (from NaN or infinite weights) have no maximum: argmax
-        // would pick an arbitrary token. Checked on the few rows' logits.
-        let finite = last.is_nan()?.any(None)?.logical_not()?;
-        mlx_rs::transforms::eval([&next, &finite])?;
-        if !finite.item_exact::<bool>() {
-            return Err(crate::Error::NotFiniteLogits);
-        }
-        let ids: Vec<i32> = next.as_slice::<i32>().to_vec();
+        let ids = pick(&last)?;
         for (row, &id) in ids.iter().enumerate() {
             if done[row] {
                 continue;

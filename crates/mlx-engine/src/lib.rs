@@ -103,6 +103,7 @@ mod gguf;
 mod gguf_check;
 mod gguf_gemma;
 mod gguf_quants;
+mod lanes;
 mod layers;
 mod llama;
 mod mapped;
@@ -123,6 +124,7 @@ pub use engine::{MlxEngine, Reply, Worker};
 pub use error::{EngineError, Error, Result};
 pub use generate::{Generation, GenerationStats};
 pub use gguf::{import_gguf, ImportWeights};
+pub use lanes::{default_lanes, share_blas_threads};
 pub use mlx_support::{Quantization, QuantizationConfig};
 pub use model::{MemoryMode, Model, QuantizedWeights};
 pub use options::{

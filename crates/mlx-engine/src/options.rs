@@ -56,6 +56,7 @@ pub struct EngineConfig {
     pub(crate) logits_processor_factory: Option<LogitsProcessorFactory>,
     pub(crate) prefix_messages: Vec<Message>,
     pub(crate) batch_size: usize,
+    pub(crate) lanes: Option<usize>,
     pub(crate) worker_name: String,
     pub(crate) quantized: Option<QuantizedWeights>,
     pub(crate) memory: Option<MemoryMode>,
@@ -76,6 +77,7 @@ impl EngineConfig {
             logits_processor_factory: None,
             prefix_messages: Vec::new(),
             batch_size: 8,
+            lanes: None,
             worker_name: "mlx-engine".to_owned(),
             quantized: None,
             memory: None,
@@ -94,6 +96,22 @@ impl EngineConfig {
     /// Conversations per batch (at least 1).
     pub fn batch_size(mut self, batch_size: usize) -> EngineConfig {
         self.batch_size = batch_size;
+        self
+    }
+
+    /// How many chunks (of [`batch_size`](Self::batch_size) conversations)
+    /// run side by side, each on its own thread and MLX stream (at least
+    /// 1). Default: [`default_lanes`](crate::default_lanes), 2 on the CPU
+    /// with the weights resident and two or more cores, else 1. On the CPU, MLX runs a stream's element-wise work on
+    /// one core; two chunks at once keep both cores busy, at the cost of a
+    /// second chunk's activations in memory. With OpenBLAS, give each lane
+    /// its share of the cores at the start of `main` with
+    /// [`share_blas_threads`](crate::share_blas_threads) (docs/mlx-engine.md,
+    /// "Chunks in lanes", has the figures). Layers streamed from the files
+    /// ([`MemoryMode::Streamed`]) always run one chunk at a time. Results do
+    /// not depend on it.
+    pub fn lanes(mut self, lanes: usize) -> EngineConfig {
+        self.lanes = Some(lanes.max(1));
         self
     }
 
@@ -167,6 +185,7 @@ impl std::fmt::Debug for EngineConfig {
             .field("model_dir", &self.model_dir)
             .field("prefix_messages", &self.prefix_messages)
             .field("batch_size", &self.batch_size)
+            .field("lanes", &self.lanes)
             .field("worker_name", &self.worker_name)
             .field("quantized", &self.quantized)
             .field("memory", &self.memory)

@@ -79,6 +79,64 @@ fn logits_processor_restricts_the_output() {
     assert!(texts.iter().all(|t| t == "w9"), "{texts:?}");
 }
 
+/// Texts from an engine with `lanes` lanes, batches of 2, with or without a
+/// processor that bans one token (so that picking goes through the caller's
+/// thread), and the progress it reported.
+fn texts_with_lanes(dir: &std::path::Path, lanes: usize, ban: bool) -> (Vec<String>, usize) {
+    let mut config = EngineConfig::new(dir)
+        .prefix_messages(vec![system()])
+        .batch_size(2)
+        .lanes(lanes)
+        .worker_name("mlx-test");
+    if ban {
+        config = config.logits_processor(|tokenizer: &Tokenizer| {
+            let banned = tokenizer.token_id("w9").unwrap() as i32;
+            Box::new(move |logits: &Array| {
+                let ids = mlx_rs::ops::arange::<_, i32>(None, VOCAB, None)?;
+                let hit = ids.eq(Array::from_int(banned))?;
+                mlx_rs::ops::select(&hit, Array::from_f32(f32::NEG_INFINITY), logits)
+            })
+        });
+    }
+    let progress = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&progress);
+    let generation = MlxEngine::new(config)
+        .unwrap()
+        .generate(
+            conversations(),
+            GenerateOptions::new().max_tokens(6).on_progress(move |n| {
+                seen.fetch_add(n, Ordering::SeqCst);
+            }),
+        )
+        .unwrap();
+    assert_eq!(generation.stats.conversations, 6);
+    (generation.texts, progress.load(Ordering::SeqCst))
+}
+
+#[test]
+fn lanes_change_nothing_in_the_results() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path());
+    for ban in [false, true] {
+        let (one, progress) = texts_with_lanes(dir.path(), 1, ban);
+        assert_eq!(progress, 6);
+        assert!(one.iter().any(|t| !t.is_empty()), "{one:?}");
+        if ban {
+            assert!(
+                one.iter().all(|t| !t.split(' ').any(|w| w == "w9")),
+                "{one:?}"
+            );
+        }
+        // Three chunks of two: two lanes share them, three take one each,
+        // and eight are more lanes than chunks.
+        for lanes in [2, 3, 8] {
+            let (texts, progress) = texts_with_lanes(dir.path(), lanes, ban);
+            assert_eq!(texts, one, "{lanes} lanes, processor: {ban}");
+            assert_eq!(progress, 6, "{lanes} lanes");
+        }
+    }
+}
+
 #[test]
 fn conversations_must_start_with_the_prefix() {
     let dir = tempfile::tempdir().unwrap();

@@ -318,11 +318,13 @@ fn gemma4_in_low_memory_modes_equals_resident() {
                 );
             }
         }
-        let texts = |memory| {
+        // Two chunks of four or fewer: with two lanes they run side by side.
+        let texts = |memory, lanes| {
             let engine = MlxEngine::new(
                 EngineConfig::new(dir.path())
                     .prefix_messages(vec![system()])
                     .batch_size(4)
+                    .lanes(lanes)
                     .memory(memory),
             )
             .unwrap();
@@ -334,17 +336,21 @@ fn gemma4_in_low_memory_modes_equals_resident() {
                 .unwrap()
                 .texts
         };
-        let resident = texts(MemoryMode::Resident);
-        assert_eq!(
-            resident,
-            texts(MemoryMode::MappedTables),
-            "quantized {quantized}"
-        );
-        assert_eq!(
-            resident,
-            texts(MemoryMode::Streamed),
-            "quantized {quantized}"
-        );
+        let resident = texts(MemoryMode::Resident, 1);
+        assert!(conversations().len() > 4, "more than one chunk");
+        for (memory, lanes) in [
+            (MemoryMode::Resident, 2),
+            (MemoryMode::MappedTables, 1),
+            (MemoryMode::MappedTables, 2),
+            // Streamed layers run one chunk at a time whatever is asked.
+            (MemoryMode::Streamed, 2),
+        ] {
+            assert_eq!(
+                resident,
+                texts(memory, lanes),
+                "quantized {quantized}, {memory:?}, {lanes} lanes"
+            );
+        }
 
         for memory in [MemoryMode::MappedTables, MemoryMode::Streamed] {
             let model = Model::load_with(dir.path(), QuantizedWeights::Keep, memory).unwrap();

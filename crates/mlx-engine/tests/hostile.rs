@@ -278,20 +278,32 @@ fn token_ids_outside_the_embedding_table_are_refused() {
 fn a_logits_processor_that_changes_the_shape_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path());
-    let engine = MlxEngine::new(
-        EngineConfig::new(dir.path())
-            .prefix_messages(vec![system()])
-            .logits_processor(|_: &Tokenizer| {
-                Box::new(|logits: &Array| Ok(logits.index((.., ..10))))
-            }),
-    )
-    .unwrap();
-    let err = generate_err(&engine, conversations());
-    assert!(
-        matches!(inner(&err), Error::ProcessorShape { expected, actual }
-            if expected[1] == VOCAB && actual[1] == 10),
-        "{err:?}"
-    );
+    // One chunk, then three chunks on two lanes (the processor runs on the
+    // worker for the lanes, and its error stops them).
+    for (batch, lanes) in [(8, 1), (2, 2)] {
+        let engine = MlxEngine::new(
+            EngineConfig::new(dir.path())
+                .prefix_messages(vec![system()])
+                .batch_size(batch)
+                .lanes(lanes)
+                .logits_processor(|_: &Tokenizer| {
+                    Box::new(|logits: &Array| Ok(logits.index((.., ..10))))
+                }),
+        )
+        .unwrap();
+        let err = generate_err(&engine, conversations());
+        assert!(
+            matches!(inner(&err), Error::ProcessorShape { expected, actual }
+                if expected[1] == VOCAB && actual[1] == 10),
+            "{lanes} lanes: {err:?}"
+        );
+        // And again: the failed call left nothing behind.
+        let err = generate_err(&engine, conversations());
+        assert!(
+            matches!(inner(&err), Error::ProcessorShape { .. }),
+            "{err:?}"
+        );
+    }
 }
 
 /// Writes the tiny model with `edit` applied to its config.

@@ -19,12 +19,7 @@ use std::ffi::CStr;
 pub fn kernels_in_use() -> Option<String> {
     #[cfg(unix)]
     {
-        // SAFETY: dlsym with RTLD_DEFAULT only looks the name up among the
-        // libraries already loaded; a null result means none exports it.
-        let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"openblas_get_corename".as_ptr()) };
-        if symbol.is_null() {
-            return None;
-        }
+        let symbol = openblas_symbol(c"openblas_get_corename")?;
         // SAFETY: OpenBLAS exports `char *openblas_get_corename(void)`,
         // which returns a static NUL-terminated string.
         let name = unsafe {
@@ -39,6 +34,62 @@ pub fn kernels_in_use() -> Option<String> {
     }
     #[cfg(not(unix))]
     {
+        None
+    }
+}
+
+/// An OpenBLAS function of the process, by name, or `None` when no loaded
+/// library exports it (macOS's Accelerate, the wheel's reference BLAS).
+#[cfg(unix)]
+fn openblas_symbol(name: &CStr) -> Option<*mut libc::c_void> {
+    // SAFETY: dlsym with RTLD_DEFAULT only looks the name up among the
+    // libraries already loaded; a null result means none exports it.
+    let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    (!symbol.is_null()).then_some(symbol)
+}
+
+/// How many threads OpenBLAS runs a matrix product on, or `None` when the
+/// process runs no OpenBLAS.
+pub fn blas_threads() -> Option<usize> {
+    #[cfg(unix)]
+    {
+        let symbol = openblas_symbol(c"openblas_get_num_threads")?;
+        // SAFETY: OpenBLAS exports `int openblas_get_num_threads(void)`.
+        let n = unsafe {
+            let get: extern "C" fn() -> libc::c_int = std::mem::transmute(symbol);
+            get()
+        };
+        usize::try_from(n).ok()
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// Runs OpenBLAS's later matrix products on `threads` threads (at least
+/// one); returns the count before, or `None` (and changes nothing) when the
+/// process runs no OpenBLAS. Unlike `OPENBLAS_NUM_THREADS`, this works
+/// after the library has loaded. Callers that run several products at once
+/// on their own threads (one per MLX stream) give each a share of the cores
+/// this way, instead of every product spreading over all of them and their
+/// threads spinning against each other. Call it while no product runs.
+pub fn set_blas_threads(threads: usize) -> Option<usize> {
+    #[cfg(unix)]
+    {
+        let before = blas_threads()?;
+        let symbol = openblas_symbol(c"openblas_set_num_threads")?;
+        let n = libc::c_int::try_from(threads.max(1)).unwrap_or(libc::c_int::MAX);
+        // SAFETY: OpenBLAS exports `void openblas_set_num_threads(int)`.
+        unsafe {
+            let set: extern "C" fn(libc::c_int) = std::mem::transmute(symbol);
+            set(n);
+        }
+        Some(before)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = threads;
         None
     }
 }

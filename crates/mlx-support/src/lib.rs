@@ -46,8 +46,8 @@ mod memory;
 mod quant;
 
 pub use blas::{
-    best_coretype, gemm_gflops, kernels_in_use, reexec_with_best_kernels, runs_generic_kernels,
-    CpuFeatures,
+    best_coretype, blas_threads, gemm_gflops, kernels_in_use, reexec_with_best_kernels,
+    runs_generic_kernels, set_blas_threads, CpuFeatures,
 };
 pub use bytes::{array_from_bytes, array_to_bytes, checked_dtype, checked_shape, mlx_dtype_of};
 pub use checkpoint::unused_by_mlx_lm;

@@ -1,0 +1,207 @@
+//! Chunks of a `generate` call run side by side, each on its own thread.
+//!
+//! On the CPU, MLX runs a stream's work on one thread, so between matrix
+//! products (which OpenBLAS spreads over the cores) the other cores wait:
+//! the element-wise work, attention's small products and the reductions of
+//! a prefill are most of a step's time and run on one core. A *lane* is a
+//! thread with its own MLX stream (MLX ≥ 0.32 gives every thread its own
+//! default stream and command encoder) that takes the next chunk, prefills
+//! and decodes it, and returns its tokens. With two lanes both cores do a
+//! chunk's whole work. OpenBLAS's thread count is the process's and cannot
+//! safely change while products run, so sharing the cores out between the
+//! lanes is the program's call, at its start ([`share_blas_threads`]).
+//!
+//! What lanes share is read-only and computed before they start: the
+//! model's weights (evaluated at load) and the prefix cache (evaluated when
+//! the prefix is prefilled). An array is computed on the stream that built
+//! it, so a lane builds and evaluates only its own graphs. The logits
+//! processor is the caller's and not `Send`: a lane with one to apply sends
+//! its evaluated logits to the calling thread, which applies it and picks
+//! the tokens ([`Coordinator`]).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use mlx_rs::Array;
+
+use crate::cache::KvCache;
+use crate::model::Model;
+
+/// How many chunks an engine runs side by side unless told
+/// ([`EngineConfig::lanes`](crate::EngineConfig::lanes)): two on the CPU
+/// with the weights resident and at least two cores (measured on SmolLM2
+/// and E2B's shapes, docs/mlx-engine.md "Chunks in lanes"), one otherwise:
+/// the GPU runs a stream's work over its own cores, and the low-memory
+/// modes keep one chunk's activations at a time.
+pub fn default_lanes(device: mlx_support::ComputeDevice, memory: crate::MemoryMode) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    if device == mlx_support::ComputeDevice::Cpu && memory == crate::MemoryMode::Resident {
+        cores.min(2)
+    } else {
+        1
+    }
+}
+
+/// Gives each of `lanes` lanes an equal share of the cores for OpenBLAS's
+/// matrix products (at least one thread each); returns OpenBLAS's thread
+/// count before, or `None` without OpenBLAS. Call it while no MLX work
+/// runs on any other thread (at the start of `main`, or before the engine
+/// starts): the count is the process's, and changing it while a product
+/// ran on another thread changed that product's results here (parity tests
+/// run in parallel with an engine that changed it failed). Without it, the lanes' products
+/// each spread over all the cores and wait for each other: two lanes on two
+/// cores then gained about 5 % on SmolLM2 classification, against about
+/// 20 % with one thread each (docs/mlx-engine.md, "Chunks in lanes").
+pub fn share_blas_threads(lanes: usize) -> Option<usize> {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    mlx_support::set_blas_threads((cores / lanes.max(1)).max(1))
+}
+
+/// What the lanes read: the model and the prefix cache, both evaluated.
+pub(crate) struct Shared<'a> {
+    pub model: &'a Model,
+    pub prefix_cache: &'a KvCache,
+    pub eos: &'a [u32],
+}
+
+// SAFETY: `Shared` is only built by `generate_batch` for lanes, which only
+// read it. Model and KvCache hold MLX arrays: reference-counted handles
+// (atomic counts) to buffers that were evaluated on the worker before the
+// lanes start (the model at load, the prefix cache in `GenState::new`), so
+// a lane uses them as inputs to its own graphs and never computes them (an
+// unevaluated one would be an MLX error in the lane, "no stream in current
+// thread", not a race). Nothing in Model changes through `&self` except the
+// layer streamer of `MemoryMode::Streamed`, behind a Mutex, and lanes are
+// not used when layers are streamed.
+unsafe impl Sync for Shared<'_> {}
+
+/// A lane's request to the calling thread.
+enum Request {
+    /// The tokens to pick from these (evaluated) logits.
+    Pick(Array, Sender<crate::Result<Vec<i32>>>),
+    /// Chunk `index` finished.
+    Done(usize, crate::Result<Vec<Vec<u32>>>),
+}
+
+/// The calling thread's side: what it does for the lanes.
+pub(crate) trait Coordinator {
+    /// Picks each row's next token from its last logits (the processor's
+    /// job, on this thread).
+    fn pick(&mut self, logits: &Array) -> crate::Result<Vec<i32>>;
+    /// Takes chunk `index`'s tokens; `false` (an error) stops the lanes:
+    /// no chunk starts after it, and those running end at their next pick.
+    fn finish(&mut self, index: usize, tokens: crate::Result<Vec<Vec<u32>>>) -> bool;
+}
+
+/// Runs `chunks` on `lanes` threads: each takes the next chunk and calls
+/// `run(shared, chunk, pick)`, where `pick` picks the next tokens from a
+/// step's logits: in the lane when `pick_in_lanes` (no processor), else
+/// through `coordinator.pick` on this thread. Returns when every lane has
+/// stopped; `coordinator.finish` has then seen every chunk that ran.
+pub(crate) fn run<C, F>(
+    lanes: usize,
+    chunks: &[&[usize]],
+    shared: &Shared<'_>,
+    pick_in_lanes: bool,
+    coordinator: &mut C,
+    run: F,
+) where
+    C: Coordinator,
+    F: Fn(
+            &Shared<'_>,
+            &[usize],
+            &mut dyn FnMut(&Array) -> crate::Result<Vec<i32>>,
+        ) -> crate::Result<Vec<Vec<u32>>>
+        + Sync,
+{
+    let next = AtomicUsize::new(0);
+    let (tx, rx): (Sender<Request>, Receiver<Request>) = unbounded();
+    std::thread::scope(|scope| {
+        for lane in 0..lanes {
+            let tx = tx.clone();
+            let (next, run) = (&next, &run);
+            let spawned = std::thread::Builder::new()
+                .name(format!("mlx-engine-lane-{lane}"))
+                .spawn_scoped(scope, move || loop {
+                    let index = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(chunk) = chunks.get(index) else {
+                        break;
+                    };
+                    let mut remote = |logits: &Array| -> crate::Result<Vec<i32>> {
+                        // Computed here, on the lane's stream: the caller's
+                        // thread only reads it.
+                        logits.eval()?;
+                        let (reply_tx, reply_rx) = bounded(1);
+                        tx.send(Request::Pick(logits.clone(), reply_tx))
+                            .map_err(|_| crate::Error::LanesStopped)?;
+                        reply_rx.recv().map_err(|_| crate::Error::LanesStopped)?
+                    };
+                    let mut local = |logits: &Array| pick_tokens(None, logits);
+                    let pick: &mut dyn FnMut(&Array) -> crate::Result<Vec<i32>> = if pick_in_lanes {
+                        &mut local
+                    } else {
+                        &mut remote
+                    };
+                    let tokens = run(shared, chunk, pick);
+                    if tx.send(Request::Done(index, tokens)).is_err() {
+                        break;
+                    }
+                });
+            if let Err(e) = spawned {
+                // Fewer lanes then; the chunks still all run.
+                tracing::warn!("could not start a lane: {e}");
+            }
+        }
+        drop(tx);
+        let mut stopped = false;
+        for request in rx {
+            match request {
+                Request::Pick(logits, reply) => {
+                    // After an error, the lanes' chunks end at their next step.
+                    let picked = if stopped {
+                        Err(crate::Error::LanesStopped)
+                    } else {
+                        coordinator.pick(&logits)
+                    };
+                    let _ = reply.send(picked);
+                }
+                Request::Done(index, tokens) => {
+                    if !stopped && !coordinator.finish(index, tokens) {
+                        stopped = true;
+                        next.store(chunks.len(), Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Each row's next token: the logits through `processor` (if any), then
+/// the greedy choice. NaN logits (from NaN or infinite weights) have no
+/// maximum, so argmax would pick an arbitrary token: they are an error.
+pub(crate) fn pick_tokens(
+    processor: Option<&mut (dyn crate::LogitsProcessor + '_)>,
+    logits: &Array,
+) -> crate::Result<Vec<i32>> {
+    use mlx_rs::ops::indexing::argmax_axis;
+    let logits = match processor {
+        Some(processor) => {
+            let processed = processor.process(logits)?;
+            if processed.shape() != logits.shape() {
+                return Err(crate::Error::ProcessorShape {
+                    expected: logits.shape().to_vec(),
+                    actual: processed.shape().to_vec(),
+                });
+            }
+            processed
+        }
+        None => logits.clone(),
+    };
+    let next = argmax_axis(&logits, -1, None)?.as_dtype(mlx_rs::Dtype::Int32)?;
+    let finite = logits.is_nan()?.any(None)?.logical_not()?;
+    mlx_rs::transforms::eval([&next, &finite])?;
+    if !finite.item_exact::<bool>() {
+        return Err(crate::Error::NotFiniteLogits);
+    }
+    Ok(next.as_slice::<i32>().to_vec())
+}
