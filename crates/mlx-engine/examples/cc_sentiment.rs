@@ -104,6 +104,8 @@ impl LogitsProcessor for Labels {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // What an application running the engine on glibc should do.
+    mlx_support::retain_freed_memory();
     let system_path = args
         .system_prompt
         .clone()

@@ -202,7 +202,14 @@ pub(crate) fn generate_batch(
             .last()
             .map_or(0, |m| m.content.chars().count())
     });
-    let chunks: Vec<&[usize]> = order.chunks(state.batch_size).collect();
+    // Every lane gets a chunk: with fewer conversations than lanes times
+    // the batch size, the chunks are made smaller and even.
+    let lanes = if model.streams_layers() { 1 } else { state.lanes };
+    let size = state
+        .batch_size
+        .min(conversations.len().div_ceil(lanes))
+        .max(1);
+    let chunks: Vec<&[usize]> = order.chunks(size).collect();
     let mut done = Finished {
         chunks: &chunks,
         suffixes: &suffixes,
@@ -213,8 +220,8 @@ pub(crate) fn generate_batch(
         processor: state.processor.as_deref_mut(),
         failure: None,
     };
-    let lanes = state.lanes.min(chunks.len());
-    if lanes > 1 && !model.streams_layers() {
+    let lanes = lanes.min(chunks.len());
+    if lanes > 1 {
         let shared = lanes::Shared {
             model,
             prefix_cache: &state.prefix_cache,

@@ -87,6 +87,22 @@
 //! fifth faster classification in the project's benchmark, same peak RSS).
 //! It changes the whole process's allocator, so the engine leaves that
 //! choice to the application.
+//!
+//! On the CPU, an engine runs two chunks of a call side by side by default
+//! ([`EngineConfig::lanes`], [`default_lanes`]), each on its own thread
+//! and MLX stream: MLX runs a stream's element-wise work on one core. With
+//! OpenBLAS, call [`share_blas_threads`] before the engine starts, while
+//! nothing else runs MLX work, so that each lane's products use its share
+//! of the cores:
+//!
+//! ```no_run
+//! use mlx_engine::{default_lanes, share_blas_threads, EngineConfig, MemoryMode, MlxEngine};
+//!
+//! mlx_support::retain_freed_memory();
+//! let dir = std::path::Path::new("models/fused");
+//! share_blas_threads(default_lanes(mlx_support::best_device(), MemoryMode::for_model_dir(dir)));
+//! let engine = MlxEngine::new(EngineConfig::new(dir)).unwrap();
+//! ```
 
 mod attention;
 mod cache;

@@ -93,7 +93,10 @@ impl EngineConfig {
         self
     }
 
-    /// Conversations per batch (at least 1).
+    /// Conversations per batch (at least 1): the most that go through the
+    /// model together. With [`lanes`](Self::lanes), a call with fewer
+    /// conversations than lanes times this size runs smaller, even batches,
+    /// one per lane.
     pub fn batch_size(mut self, batch_size: usize) -> EngineConfig {
         self.batch_size = batch_size;
         self
