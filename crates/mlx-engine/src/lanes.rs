@@ -47,11 +47,13 @@ pub fn default_lanes(device: mlx_support::ComputeDevice, memory: crate::MemoryMo
 /// count before, or `None` without OpenBLAS. Call it while no MLX work
 /// runs on any other thread (at the start of `main`, or before the engine
 /// starts): the count is the process's, and changing it while a product
-/// ran on another thread changed that product's results here (parity tests
-/// run in parallel with an engine that changed it failed). Without it, the lanes' products
-/// each spread over all the cores and wait for each other: two lanes on two
-/// cores then gained about 5 % on SmolLM2 classification, against about
-/// 20 % with one thread each (docs/mlx-engine.md, "Chunks in lanes").
+/// ran on another thread changed that product's results here (parity
+/// tests run in parallel with an engine that changed it failed). Without
+/// it, the lanes' products each spread over all the cores and wait for
+/// each other: on two cores, SmolLM2 classification took 8.6 and 9.5 s on
+/// two lanes of two threads, 9.0 and 10.1 s on one lane, 7.7 and 7.8 s on
+/// two lanes of one thread (an early version; docs/mlx-engine.md, "Chunks
+/// in lanes", has the later figures).
 pub fn share_blas_threads(lanes: usize) -> Option<usize> {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     mlx_support::set_blas_threads((cores / lanes.max(1)).max(1))
