@@ -204,7 +204,11 @@ pub(crate) fn generate_batch(
     });
     // Every lane gets a chunk: with fewer conversations than lanes times
     // the batch size, the chunks are made smaller and even.
-    let lanes = if model.streams_layers() { 1 } else { state.lanes };
+    let lanes = if model.streams_layers() {
+        1
+    } else {
+        state.lanes
+    };
     let size = state
         .batch_size
         .min(conversations.len().div_ceil(lanes))
