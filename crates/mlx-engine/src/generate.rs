@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use mlx_rs::ops::concatenate;
-use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::Array;
 
 use crate::cache::KvCache;
@@ -232,18 +232,15 @@ pub(crate) fn generate_batch(
             eos: &state.eos,
         };
         let pick_in_lanes = done.processor.is_none();
-        lanes::run(
-            lanes,
-            &chunks,
-            &shared,
-            pick_in_lanes,
-            &mut done,
-            |s, chunk, pick| {
-                let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
-                let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
-                generate_chunk(s.model, s.prefix_cache, s.eos, pick, &rows, max_tokens)
-            },
-        );
+        lanes::run(lanes, &chunks, &shared, &mut done, |s, chunk, remote| {
+            let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
+            let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
+            // Without a processor, each lane picks its tokens itself.
+            let mut local = |logits: &Array| pick_tokens(None, logits);
+            let pick: &mut dyn FnMut(&Array) -> crate::Result<Vec<i32>> =
+                if pick_in_lanes { &mut local } else { remote };
+            generate_chunk(s.model, s.prefix_cache, s.eos, pick, &rows, max_tokens)
+        });
     } else {
         for (index, chunk) in chunks.iter().enumerate() {
             let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
@@ -297,7 +294,7 @@ impl Finished<'_, '_> {
 
 impl lanes::Coordinator for Finished<'_, '_> {
     fn pick(&mut self, logits: &Array) -> crate::Result<Vec<i32>> {
-        lanes::pick_tokens(self.processor.as_deref_mut(), logits)
+        pick_tokens(self.processor.as_deref_mut(), logits)
     }
 
     fn finish(&mut self, index: usize, tokens: crate::Result<Vec<Vec<u32>>>) -> bool {
@@ -315,6 +312,35 @@ impl lanes::Coordinator for Finished<'_, '_> {
             }
         }
     }
+}
+
+/// Each row's next token: the logits through `processor` (if any), then
+/// the greedy choice. NaN logits (from NaN or infinite weights) have no
+/// maximum, so argmax would pick an arbitrary token: they are an error.
+fn pick_tokens(
+    processor: Option<&mut (dyn LogitsProcessor + '_)>,
+    logits: &Array,
+) -> crate::Result<Vec<i32>> {
+    let logits = match processor {
+        Some(processor) => {
+            let processed = processor.process(logits)?;
+            if processed.shape() != logits.shape() {
+                return Err(crate::Error::ProcessorShape {
+                    expected: logits.shape().to_vec(),
+                    actual: processed.shape().to_vec(),
+                });
+            }
+            processed
+        }
+        None => logits.clone(),
+    };
+    let next = argmax_axis(&logits, -1, None)?.as_dtype(mlx_rs::Dtype::Int32)?;
+    let finite = logits.is_nan()?.any(None)?.logical_not()?;
+    mlx_rs::transforms::eval([&next, &finite])?;
+    if !finite.item_exact::<bool>() {
+        return Err(crate::Error::NotFiniteLogits);
+    }
+    Ok(next.as_slice::<i32>().to_vec())
 }
 
 /// Splits a chunk's rows (sorted by length) into groups of neighbours to

@@ -97,14 +97,13 @@ pub(crate) trait Coordinator {
 
 /// Runs `chunks` on `lanes` threads: each takes the next chunk and calls
 /// `run(shared, chunk, pick)`, where `pick` picks the next tokens from a
-/// step's logits: in the lane when `pick_in_lanes` (no processor), else
-/// through `coordinator.pick` on this thread. Returns when every lane has
+/// step's logits through `coordinator.pick` on this thread (for a
+/// processor that must stay here; `run` may pick in the lane instead). Returns when every lane has
 /// stopped; `coordinator.finish` has then seen every chunk that ran.
 pub(crate) fn run<C, F>(
     lanes: usize,
     chunks: &[&[usize]],
     shared: &Shared<'_>,
-    pick_in_lanes: bool,
     coordinator: &mut C,
     run: F,
 ) where
@@ -138,13 +137,7 @@ pub(crate) fn run<C, F>(
                             .map_err(|_| crate::Error::LanesStopped)?;
                         reply_rx.recv().map_err(|_| crate::Error::LanesStopped)?
                     };
-                    let mut local = |logits: &Array| pick_tokens(None, logits);
-                    let pick: &mut dyn FnMut(&Array) -> crate::Result<Vec<i32>> = if pick_in_lanes {
-                        &mut local
-                    } else {
-                        &mut remote
-                    };
-                    let tokens = run(shared, chunk, pick);
+                    let tokens = run(shared, chunk, &mut remote);
                     if tx.send(Request::Done(index, tokens)).is_err() {
                         break;
                     }
@@ -176,34 +169,4 @@ pub(crate) fn run<C, F>(
             }
         }
     });
-}
-
-/// Each row's next token: the logits through `processor` (if any), then
-/// the greedy choice. NaN logits (from NaN or infinite weights) have no
-/// maximum, so argmax would pick an arbitrary token: they are an error.
-pub(crate) fn pick_tokens(
-    processor: Option<&mut (dyn crate::LogitsProcessor + '_)>,
-    logits: &Array,
-) -> crate::Result<Vec<i32>> {
-    use mlx_rs::ops::indexing::argmax_axis;
-    let logits = match processor {
-        Some(processor) => {
-            let processed = processor.process(logits)?;
-            if processed.shape() != logits.shape() {
-                return Err(crate::Error::ProcessorShape {
-                    expected: logits.shape().to_vec(),
-                    actual: processed.shape().to_vec(),
-                });
-            }
-            processed
-        }
-        None => logits.clone(),
-    };
-    let next = argmax_axis(&logits, -1, None)?.as_dtype(mlx_rs::Dtype::Int32)?;
-    let finite = logits.is_nan()?.any(None)?.logical_not()?;
-    mlx_rs::transforms::eval([&next, &finite])?;
-    if !finite.item_exact::<bool>() {
-        return Err(crate::Error::NotFiniteLogits);
-    }
-    Ok(next.as_slice::<i32>().to_vec())
 }
