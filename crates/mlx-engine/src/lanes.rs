@@ -98,8 +98,10 @@ pub(crate) trait Coordinator {
 /// Runs `chunks` on `lanes` threads: each takes the next chunk and calls
 /// `run(shared, chunk, pick)`, where `pick` picks the next tokens from a
 /// step's logits through `coordinator.pick` on this thread (for a
-/// processor that must stay here; `run` may pick in the lane instead). Returns when every lane has
-/// stopped; `coordinator.finish` has then seen every chunk that ran.
+/// processor that must stay here; `run` may pick in the lane instead).
+/// Returns when every lane has stopped; `coordinator.finish` has then seen
+/// every chunk that ran. If no lane thread can be started, the chunks run
+/// here, one after another.
 pub(crate) fn run<C, F>(
     lanes: usize,
     chunks: &[&[usize]],
@@ -118,6 +120,7 @@ pub(crate) fn run<C, F>(
     let next = AtomicUsize::new(0);
     let (tx, rx): (Sender<Request>, Receiver<Request>) = unbounded();
     std::thread::scope(|scope| {
+        let mut started = 0;
         for lane in 0..lanes {
             let tx = tx.clone();
             let (next, run) = (&next, &run);
@@ -142,12 +145,22 @@ pub(crate) fn run<C, F>(
                         break;
                     }
                 });
-            if let Err(e) = spawned {
+            match spawned {
+                Ok(_) => started += 1,
                 // Fewer lanes then; the chunks still all run.
-                tracing::warn!("could not start a lane: {e}");
+                Err(e) => tracing::warn!("could not start a lane: {e}"),
             }
         }
         drop(tx);
+        if started == 0 {
+            for (index, chunk) in chunks.iter().enumerate() {
+                let tokens = run(shared, chunk, &mut |logits| coordinator.pick(logits));
+                if !coordinator.finish(index, tokens) {
+                    break;
+                }
+            }
+            return;
+        }
         let mut stopped = false;
         for request in rx {
             match request {
