@@ -85,6 +85,7 @@ fn child(
     // docs). mlx_lm's runs keep the allocator's defaults: it was measured
     // no faster with this setting (docs/mlx-engine.md).
     mlx_support::retain_freed_memory();
+    let at_start = mlx_support::ProcessMemory::read();
     let convs = conversations(n, system_words);
     let mut config = EngineConfig::new(dir)
         .prefix_messages(convs[0][..1].to_vec())
@@ -107,18 +108,25 @@ fn child(
     config = config.lanes(lanes);
     let engine = MlxEngine::new(config).unwrap();
     engine.ensure_loaded().unwrap();
+    let loaded = mlx_support::ProcessMemory::read();
     let s = engine
         .generate_async(convs, GenerateOptions::new().max_tokens(max_tokens))
         .wait()
         .unwrap()
         .stats;
+    // Where the peak comes from: the process before the engine, after the
+    // load, and the load's own peak.
+    let kib = |b: Option<u64>| b.unwrap_or(0) / 1024;
     println!(
-        "{} {} {} {} {}",
+        "{} {} {} {} {} {} {} {}",
         s.seconds,
         s.conversations,
         s.prompt_tokens,
         s.generated_tokens,
-        engine.peak_memory_bytes().unwrap_or(0) / 1024
+        kib(engine.peak_memory_bytes()),
+        kib(at_start.rss),
+        kib(loaded.rss),
+        kib(loaded.peak_rss),
     );
 }
 
@@ -247,10 +255,22 @@ fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
         .split_whitespace()
         .filter_map(|x| x.parse().ok())
         .collect();
-    if f.len() != 5 {
+    // Ours print three more: RSS at the start and after the load, and the
+    // load's peak (KiB).
+    if f.len() != 5 && f.len() != 8 {
         println!("{label}: no result ({line:?})");
         return;
     }
+    let mb = |kib: f64| kib * 1024.0 / 1e6;
+    let breakdown = match f.get(5..8) {
+        Some(&[start, loaded, load_peak]) => format!(
+            " (at start {:.0} MB, loaded {:.0} MB, load's peak {:.0} MB)",
+            mb(start),
+            mb(loaded),
+            mb(load_peak)
+        ),
+        _ => String::new(),
+    };
     let rate = |x: f64| if f[0] > 0.0 { x / f[0] } else { 0.0 };
     let linear = match work {
         Some((work, gemm)) if f[0] > 0.0 => {
@@ -263,11 +283,11 @@ fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
         _ => String::new(),
     };
     println!(
-        "{label}: {:.2} conv/s, {:.0} prompt tok/s, {:.1} decode tok/s, peak RSS {:.0} MB{linear}",
+        "{label}: {:.2} conv/s, {:.0} prompt tok/s, {:.1} decode tok/s, peak RSS {:.0} MB{breakdown}{linear}",
         rate(f[1]),
         rate(f[2]),
         rate(f[3]),
-        f[4] * 1024.0 / 1e6
+        mb(f[4])
     );
 }
 
