@@ -64,6 +64,84 @@ pub fn is_full(i: i32) -> bool {
 
 const PREFIX: &str = "language_model.model.";
 
+/// One tensor of a decoder layer, as E2B has it (names under `model.`).
+pub enum LayerTensor {
+    /// A `(rows, cols)` weight matrix (the checkpoint's `(out, in)`).
+    Matrix {
+        module: String,
+        rows: i32,
+        cols: i32,
+    },
+    /// A vector of `len` entries.
+    Vector {
+        key: String,
+        len: i32,
+        kind: VectorKind,
+    },
+}
+
+/// What a layer's vector is, for the writer to choose its values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VectorKind {
+    /// The q or k norm's weight.
+    QkNorm,
+    /// Another norm's weight.
+    Norm,
+    /// `layer_scalar`.
+    Scalar,
+}
+
+/// Layer `i`'s tensors in the order the writers make them. `kv`: with
+/// the k/v projections and k norm (KV-shared layers have none, except in
+/// 0.31.3-era checkpoints). KV-shared layers have the double-wide MLP.
+pub fn layer_tensors(i: i32, kv: bool) -> Vec<LayerTensor> {
+    let p = format!("layers.{i}");
+    let hd = if is_full(i) {
+        GLOBAL_HEAD_DIM
+    } else {
+        HEAD_DIM
+    };
+    let inter = if i >= LAYERS - SHARED_LAYERS {
+        2 * INTERMEDIATE
+    } else {
+        INTERMEDIATE
+    };
+    let matrix = |name: &str, rows, cols| LayerTensor::Matrix {
+        module: format!("{p}.{name}"),
+        rows,
+        cols,
+    };
+    let vector = |name: &str, len, kind| LayerTensor::Vector {
+        key: format!("{p}.{name}"),
+        len,
+        kind,
+    };
+    let mut t = vec![matrix("self_attn.q_proj", HEADS * hd, HIDDEN)];
+    if kv {
+        t.push(matrix("self_attn.k_proj", KV_HEADS * hd, HIDDEN));
+        t.push(matrix("self_attn.v_proj", KV_HEADS * hd, HIDDEN));
+        t.push(vector("self_attn.k_norm.weight", hd, VectorKind::QkNorm));
+    }
+    t.push(matrix("self_attn.o_proj", HIDDEN, HEADS * hd));
+    t.push(vector("self_attn.q_norm.weight", hd, VectorKind::QkNorm));
+    t.push(matrix("mlp.gate_proj", inter, HIDDEN));
+    t.push(matrix("mlp.up_proj", inter, HIDDEN));
+    t.push(matrix("mlp.down_proj", HIDDEN, inter));
+    t.push(matrix("per_layer_input_gate", PER_LAYER, HIDDEN));
+    t.push(matrix("per_layer_projection", HIDDEN, PER_LAYER));
+    for norm in [
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+        "post_per_layer_input_norm",
+    ] {
+        t.push(vector(&format!("{norm}.weight"), HIDDEN, VectorKind::Norm));
+    }
+    t.push(vector("layer_scalar", 1, VectorKind::Scalar));
+    t
+}
+
 /// The q/k norms' weights. Gemma 4 scales attention by 1: with unit norms,
 /// random 256-wide heads would score keys ~16 apart, a softmax so sharp
 /// that rounding differences between implementations pick other keys and
@@ -298,60 +376,22 @@ pub fn write(dir: &Path, base: &E2bBase) {
         let layers =
             shard * base.layers_per_shard..((shard + 1) * base.layers_per_shard).min(LAYERS);
         for i in layers {
-            let p = format!("layers.{i}");
-            let hd = if is_full(i) {
-                GLOBAL_HEAD_DIM
-            } else {
-                HEAD_DIM
-            };
-            let inter = if i >= first_shared {
-                2 * INTERMEDIATE
-            } else {
-                INTERMEDIATE
-            };
-            s.matrix(&format!("{p}.self_attn.q_proj"), HEADS * hd, HIDDEN, 0.02);
-            if i < first_shared || base.legacy_kv {
-                s.matrix(
-                    &format!("{p}.self_attn.k_proj"),
-                    KV_HEADS * hd,
-                    HIDDEN,
-                    0.02,
-                );
-                s.matrix(
-                    &format!("{p}.self_attn.v_proj"),
-                    KV_HEADS * hd,
-                    HIDDEN,
-                    0.02,
-                );
-                s.vector(&format!("{p}.self_attn.k_norm.weight"), hd, QK_NORM);
+            for tensor in layer_tensors(i, i < first_shared || base.legacy_kv) {
+                match tensor {
+                    LayerTensor::Matrix { module, rows, cols } => {
+                        s.matrix(&module, rows, cols, 0.02)
+                    }
+                    LayerTensor::Vector { key, len, kind } => s.vector(
+                        &key,
+                        len,
+                        match kind {
+                            VectorKind::QkNorm => QK_NORM,
+                            VectorKind::Norm => 1.0,
+                            VectorKind::Scalar => 0.8,
+                        },
+                    ),
+                }
             }
-            s.matrix(&format!("{p}.self_attn.o_proj"), HIDDEN, HEADS * hd, 0.02);
-            s.vector(&format!("{p}.self_attn.q_norm.weight"), hd, QK_NORM);
-            s.matrix(&format!("{p}.mlp.gate_proj"), inter, HIDDEN, 0.02);
-            s.matrix(&format!("{p}.mlp.up_proj"), inter, HIDDEN, 0.02);
-            s.matrix(&format!("{p}.mlp.down_proj"), HIDDEN, inter, 0.02);
-            s.matrix(
-                &format!("{p}.per_layer_input_gate"),
-                PER_LAYER,
-                HIDDEN,
-                0.02,
-            );
-            s.matrix(
-                &format!("{p}.per_layer_projection"),
-                HIDDEN,
-                PER_LAYER,
-                0.02,
-            );
-            for norm in [
-                "input_layernorm",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "post_feedforward_layernorm",
-                "post_per_layer_input_norm",
-            ] {
-                s.vector(&format!("{p}.{norm}.weight"), HIDDEN, 1.0);
-            }
-            s.vector(&format!("{p}.layer_scalar"), 1, 0.8);
         }
         record(s.save(&dir.join(name(shard + 1))), name(shard + 1));
     }

@@ -31,12 +31,15 @@ pub(crate) fn gated_mlp(
     down: &Linear,
     act: impl Fn(&Array, &Array) -> Result<Array>,
 ) -> Result<Array> {
+    // Dense, packed for MLX's quantized products, or unpacked in
+    // different ways: the whole block at once.
+    let whole = || down.forward(&act(&gate.forward(x)?, &up.forward(x)?)?);
     let parts = [gate, up, down].map(Linear::unpacked_on_use);
     let [Some(g), Some(u), Some(d)] = parts else {
-        return down.forward(&act(&gate.forward(x)?, &up.forward(x)?)?);
+        return whole();
     };
     if g.q() != u.q() || g.q() != d.q() {
-        return down.forward(&act(&gate.forward(x)?, &up.forward(x)?)?);
+        return whole();
     }
     // As wide as one unpacked 16 MiB slice of a row-major matrix (see
     // `slice_rows`), and narrower where the rows' activations of a slice

@@ -27,27 +27,20 @@ use mlx_rs::ops::dequantize;
 use mlx_rs::{random, Array};
 use serde_json::json;
 
-const HIDDEN: i32 = 1536;
-const LAYERS: i32 = 35;
-const HEADS: i32 = 8;
-const KV_HEADS: i32 = 1;
-const HEAD_DIM: i32 = 256;
-const GLOBAL_HEAD_DIM: i32 = 512;
-const INTERMEDIATE: i32 = 6144;
-const PER_LAYER: i32 = 256;
-const VOCAB: i32 = 262_144;
-const SHARED_LAYERS: i32 = 20;
-const WINDOW: i32 = 512;
+// E2B's shapes have one home, shared with the tests' UD-style checkpoint.
+#[path = "../../../../tests/support/gemma4_e2b.rs"]
+mod e2b;
+
+use e2b::{
+    is_full as full_attention, layer_tensors, LayerTensor, E2B_VOCAB as VOCAB, GLOBAL_HEAD_DIM,
+    HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, PER_LAYER, SHARED_LAYERS, WINDOW,
+};
 const GROUP: i32 = 64;
 const BITS: i32 = 4;
 /// Layers per weights file, so that making one holds a few layers at most.
 const LAYERS_PER_FILE: i32 = 5;
 /// Bumped whenever what is written changes, so an old copy is remade.
-const VERSION: &str = "2";
-
-fn full_attention(layer: i32) -> bool {
-    layer % 5 == 4
-}
+const VERSION: &str = "3";
 
 fn config() -> serde_json::Value {
     let layer_types: Vec<&str> = (0..LAYERS)
@@ -133,40 +126,21 @@ fn layers_file(range: std::ops::Range<i32>) -> anyhow::Result<File> {
     };
     let first_shared = LAYERS - SHARED_LAYERS;
     for i in range {
-        let p = format!("layers.{i}");
-        let hd = if full_attention(i) {
-            GLOBAL_HEAD_DIM
-        } else {
-            HEAD_DIM
-        };
-        let inter = if i >= first_shared {
-            2 * INTERMEDIATE
-        } else {
-            INTERMEDIATE
-        };
-        f.matrix(&format!("{p}.self_attn.q_proj"), HEADS * hd, HIDDEN)?;
-        f.matrix(&format!("{p}.self_attn.o_proj"), HIDDEN, HEADS * hd)?;
-        f.filled(&format!("{p}.self_attn.q_norm.weight"), hd, 1.0);
-        if i < first_shared {
-            f.matrix(&format!("{p}.self_attn.k_proj"), KV_HEADS * hd, HIDDEN)?;
-            f.matrix(&format!("{p}.self_attn.v_proj"), KV_HEADS * hd, HIDDEN)?;
-            f.filled(&format!("{p}.self_attn.k_norm.weight"), hd, 1.0);
+        for tensor in layer_tensors(i, i < first_shared) {
+            match tensor {
+                LayerTensor::Matrix { module, rows, cols } => f.matrix(&module, rows, cols)?,
+                // Unit norms (q and k included), and E2B's layer scalar.
+                LayerTensor::Vector { key, len, kind } => f.filled(
+                    &key,
+                    len,
+                    if kind == e2b::VectorKind::Scalar {
+                        0.8
+                    } else {
+                        1.0
+                    },
+                ),
+            }
         }
-        f.matrix(&format!("{p}.mlp.gate_proj"), inter, HIDDEN)?;
-        f.matrix(&format!("{p}.mlp.up_proj"), inter, HIDDEN)?;
-        f.matrix(&format!("{p}.mlp.down_proj"), HIDDEN, inter)?;
-        for norm in [
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-            "post_per_layer_input_norm",
-        ] {
-            f.filled(&format!("{p}.{norm}.weight"), HIDDEN, 1.0);
-        }
-        f.matrix(&format!("{p}.per_layer_input_gate"), PER_LAYER, HIDDEN)?;
-        f.matrix(&format!("{p}.per_layer_projection"), HIDDEN, PER_LAYER)?;
-        f.filled(&format!("{p}.layer_scalar"), 1, 0.8);
     }
     Ok(f)
 }
