@@ -29,13 +29,13 @@ use crate::model::Model;
 
 /// How many chunks an engine runs side by side unless told
 /// ([`EngineConfig::lanes`](crate::EngineConfig::lanes)): two on the CPU
-/// with the weights resident and at least two cores (measured on SmolLM2
-/// and E2B's shapes, docs/mlx-engine.md "Chunks in lanes"), one otherwise:
-/// the GPU runs a stream's work over its own cores, and the low-memory
-/// modes keep one chunk's activations at a time.
+/// with at least two cores, the layers in memory (resident, or with the
+/// tables mapped: measured on SmolLM2 and E2B's shapes, docs/mlx-engine.md
+/// "Chunks in lanes"); one otherwise: the GPU runs a stream's work over
+/// its own cores, and streamed layers run one chunk at a time.
 pub fn default_lanes(device: mlx_support::ComputeDevice, memory: crate::MemoryMode) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    if device == mlx_support::ComputeDevice::Cpu && memory == crate::MemoryMode::Resident {
+    if device == mlx_support::ComputeDevice::Cpu && memory != crate::MemoryMode::Streamed {
         cores.min(2)
     } else {
         1
@@ -182,4 +182,21 @@ pub(crate) fn run<C, F>(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_lanes;
+    use crate::MemoryMode;
+    use mlx_support::ComputeDevice;
+
+    #[test]
+    fn two_lanes_on_the_cpu_unless_layers_are_streamed() {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let two = if cores >= 2 { 2 } else { 1 };
+        assert_eq!(default_lanes(ComputeDevice::Cpu, MemoryMode::Resident), two);
+        assert_eq!(default_lanes(ComputeDevice::Cpu, MemoryMode::MappedTables), two);
+        assert_eq!(default_lanes(ComputeDevice::Cpu, MemoryMode::Streamed), 1);
+        assert_eq!(default_lanes(ComputeDevice::Gpu, MemoryMode::Resident), 1);
+    }
 }

@@ -105,7 +105,8 @@ impl EngineConfig {
     /// How many chunks (of [`batch_size`](Self::batch_size) conversations)
     /// run side by side, each on its own thread and MLX stream (at least
     /// 1). Default: [`default_lanes`](crate::default_lanes), 2 on the CPU
-    /// with the weights resident and two or more cores, else 1. On the CPU, MLX runs a stream's element-wise work on
+    /// with two or more cores unless the layers are streamed, else 1. On
+    /// the CPU, MLX runs a stream's element-wise work on
     /// one core; two chunks at once keep both cores busy, at the cost of a
     /// second chunk's activations in memory. With OpenBLAS, give each lane
     /// its share of the cores at the start of `main` with
