@@ -195,7 +195,10 @@ mod tests {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let two = if cores >= 2 { 2 } else { 1 };
         assert_eq!(default_lanes(ComputeDevice::Cpu, MemoryMode::Resident), two);
-        assert_eq!(default_lanes(ComputeDevice::Cpu, MemoryMode::MappedTables), two);
+        assert_eq!(
+            default_lanes(ComputeDevice::Cpu, MemoryMode::MappedTables),
+            two
+        );
         assert_eq!(default_lanes(ComputeDevice::Cpu, MemoryMode::Streamed), 1);
         assert_eq!(default_lanes(ComputeDevice::Gpu, MemoryMode::Resident), 1);
     }
