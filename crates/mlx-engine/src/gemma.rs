@@ -166,12 +166,18 @@ impl Layer {
 }
 
 /// A norm's weight; Gemma 3 scales by (1 + w), and adding the one at load
-/// gives the same values mlx_lm computes at each call.
+/// gives the same values mlx_lm computes at each call. The sum is
+/// evaluated now, on the thread that loads: lanes read the model's arrays
+/// from other threads and cannot compute one (see `lanes`).
 fn norm(w: &Weights<'_>, version: Version, key: &str, len: usize) -> Result<Array> {
     let weight = w.vector(key, len)?;
     Ok(match version {
         Version::Four => weight,
-        Version::Three => weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?,
+        Version::Three => {
+            let plus_one = weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?;
+            plus_one.eval()?;
+            plus_one
+        }
     })
 }
 

@@ -176,6 +176,35 @@ fn gemma3_matches_mlx_lm() {
 
 /// The CPU modes (dequantized before each product, or at load) give the
 /// logits of MLX's quantized products, up to their rounding.
+/// Lanes read the model from their own threads and cannot compute any of
+/// its arrays: all must be evaluated at load. Gemma 3's `1 + w` norm
+/// weights were left lazy, and only a prefix's prefill happened to compute
+/// them on the worker; without a prefix, two lanes failed ("no stream in
+/// current thread").
+#[test]
+fn gemma3_on_two_lanes_without_a_prefix_equals_one_lane() {
+    let dir = tempfile::tempdir().unwrap();
+    write_gemma3(dir.path(), Layout::Text);
+    let user_only: Vec<_> = conversations()
+        .into_iter()
+        .map(|c| c[1..].to_vec())
+        .collect();
+    let texts = |lanes| {
+        let engine =
+            MlxEngine::new(EngineConfig::new(dir.path()).batch_size(2).lanes(lanes)).unwrap();
+        engine
+            .generate(
+                user_only.clone(),
+                GenerateOptions::new().max_tokens(MAX_TOKENS),
+            )
+            .unwrap()
+            .texts
+    };
+    let one_lane = texts(1);
+    assert_eq!(one_lane.len(), user_only.len());
+    assert_eq!(texts(2), one_lane);
+}
+
 #[test]
 fn quantized_gemma4_modes_agree() {
     let dir = tempfile::tempdir().unwrap();
