@@ -406,7 +406,7 @@ fn generate_chunk(
             blocks.push(padded_block(&mut cache, &rows[group.clone()])?);
             parts.push(cache);
         }
-        lasts = model.forward_last_each(&blocks, &mut parts)?;
+        lasts = model.last_hidden_each(&blocks, &mut parts)?;
     } else {
         for group in groups {
             let (cache, last) = prefill(model, prefix_cache, &rows[group])?;
@@ -414,9 +414,12 @@ fn generate_chunk(
             lasts.push(last);
         }
     }
+    // One output projection for the whole chunk: per group, it would
+    // repack (or, with the tables mapped, read) the head's weights once
+    // per group.
+    let mut last = model.head(&concatenate(&lasts, 0)?)?;
     drop(prefill_span);
     let _decode_span = tracing::debug_span!("decode", rows = b, max_tokens).entered();
-    let mut last = concatenate(&lasts, 0)?;
     // One cache for decoding: the groups' caches, padded to the longest,
     // with room for the tokens to come.
     let mut cache = if max_tokens > 1 {
@@ -447,7 +450,8 @@ fn generate_chunk(
 }
 
 /// Prefills `rows` as one left-padded block after the prefix; returns their
-/// cache and the logits of each row's last position.
+/// cache and the hidden state of each row's last position (see
+/// [`Model::last_hidden`]).
 fn prefill(model: &Model, prefix: &KvCache, rows: &[&[u32]]) -> crate::Result<(KvCache, Array)> {
     let mut cache = prefix.fork(rows.len() as i32)?;
     let last = prefill_into(model, &mut cache, rows)?;
@@ -473,7 +477,7 @@ fn padded_block(cache: &mut KvCache, rows: &[&[u32]]) -> crate::Result<Array> {
 
 /// Runs `rows`, left-padded to the longest, after what `cache` holds (its
 /// pads are set here), [`PREFILL_CHUNK`] positions at a time; returns the
-/// logits of each row's last position.
+/// hidden state of each row's last position (see [`Model::last_hidden`]).
 fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::Result<Array> {
     let block = padded_block(cache, rows)?;
     let width = block.dim(1) as usize;
@@ -485,7 +489,7 @@ fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::R
         } else {
             block.index((.., start as i32..end as i32))
         };
-        let last = model.forward_last(&piece, cache)?;
+        let last = model.last_hidden(&piece, cache)?;
         if end == width {
             return Ok(last);
         }

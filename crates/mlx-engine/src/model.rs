@@ -154,8 +154,15 @@ impl Model {
     /// so a prefill costs about a third of a full forward). The logits agree with `forward`'s last
     /// position to rounding, not bit for bit (fewer rows in the products).
     pub fn forward_last(&self, tokens: &Array, cache: &mut KvCache) -> Result<Array> {
+        self.head(&self.last_hidden(tokens, cache)?)
+    }
+
+    /// The last position's hidden state `(B, hidden)`, before the final
+    /// norm: [`forward_last`](Self::forward_last) without the head, whose
+    /// product a caller can run once for the rows of several forwards.
+    pub(crate) fn last_hidden(&self, tokens: &Array, cache: &mut KvCache) -> Result<Array> {
         let x = self.hidden(tokens, cache, true)?;
-        self.head(&x.index((.., -1, ..)))
+        Ok(x.index((.., -1, ..)))
     }
 
     fn hidden(&self, tokens: &Array, cache: &mut KvCache, last_only: bool) -> Result<Array> {
@@ -167,19 +174,20 @@ impl Model {
         Ok(each.remove(0))
     }
 
-    /// [`forward_last`](Self::forward_last) of independent forwards, one
-    /// per cache (e.g. a chunk's prefill groups): the same logits as
-    /// calling it for each, but with [`MemoryMode::Streamed`] each layer is
-    /// read once for all of them.
-    pub(crate) fn forward_last_each(
+    /// [`last_hidden`](Self::last_hidden) of independent forwards, one per
+    /// cache (e.g. a chunk's prefill groups): the same states as calling it
+    /// for each, but with [`MemoryMode::Streamed`] each layer is read once
+    /// for all of them.
+    pub(crate) fn last_hidden_each(
         &self,
         tokens: &[Array],
         caches: &mut [KvCache],
     ) -> Result<Vec<Array>> {
-        self.hidden_each(tokens, caches, true)?
+        Ok(self
+            .hidden_each(tokens, caches, true)?
             .iter()
-            .map(|x| self.head(&x.index((.., -1, ..))))
-            .collect()
+            .map(|x| x.index((.., -1, ..)))
+            .collect())
     }
 
     /// Whether the layers are read from the files at each forward.
@@ -204,7 +212,11 @@ impl Model {
         }
     }
 
-    fn head(&self, x: &Array) -> Result<Array> {
+    /// The logits `(…, vocab)` of hidden states `(…, hidden)`: the final
+    /// norm and the output projection. One call for all of a chunk's rows
+    /// costs one pass over the projection's weights (with the tables
+    /// mapped, one read of the table), not one per prefill group.
+    pub(crate) fn head(&self, x: &Array) -> Result<Array> {
         match &self.decoder {
             Decoder::Gemma(g) => g.head(&self.config, x),
             Decoder::Llama(m) => m.head(&self.config, x),
