@@ -205,10 +205,19 @@ impl MappedTable {
             key: key.to_owned(),
         };
         let view = self.set.tensor(key).ok_or_else(missing)?;
-        let mut bytes = Vec::new();
-        for run in runs {
-            bytes.extend(self.set.read_rows(key, run.clone())?.ok_or_else(missing)?);
-        }
+        let read = |run: &Range<usize>| self.set.read_rows(key, run.clone())?.ok_or_else(missing);
+        // One run (a head slice, a lookup of neighbouring ids) is used as
+        // read; several are joined.
+        let bytes = match runs {
+            [run] => read(run)?,
+            _ => {
+                let mut bytes = Vec::new();
+                for run in runs {
+                    bytes.extend(read(run)?);
+                }
+                bytes
+            }
+        };
         let mut shape = view.shape.to_vec();
         shape[0] = runs.iter().map(ExactSizeIterator::len).sum();
         Ok(array_from_bytes(key, view.dtype, &shape, &bytes)?)
