@@ -108,7 +108,7 @@ impl Model {
         let unpacks = quantized == QuantizedWeights::DequantizeOnUse
             && config.quantization != mlx_support::QuantizationConfig::none();
         // (Streamed layers are read once per chunk, whatever its groups:
-        // see `forward_last_each`.)
+        // see `last_hidden_each`.)
         let pass_cost_tokens = if unpacks { 400 } else { 40 };
         Ok(Model {
             config,
