@@ -343,3 +343,50 @@ fn statistics_and_memory_are_reported() {
     assert!(engine.peak_memory_bytes().unwrap() > 1 << 20);
     assert!(engine.mlx_peak_memory_bytes().wait().unwrap() > 0);
 }
+
+/// With the tables left in the files, every weight the model holds is a
+/// copy and the tables are read with positioned reads, so none of the
+/// file's pages stays mapped into the process (they would count in its
+/// resident memory): the pages that the kernel mapped around the copied
+/// tensors' (its fault-around, its large folios) reached into the table.
+#[cfg(target_os = "linux")]
+#[test]
+fn with_the_tables_mapped_no_page_of_the_files_stays_resident() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path());
+    let file = dir.path().join("model.safetensors");
+    let model = mlx_engine::Model::load_with(
+        dir.path(),
+        mlx_engine::QuantizedWeights::DequantizeOnUse,
+        mlx_engine::MemoryMode::MappedTables,
+    )
+    .unwrap();
+    // Rss of every mapping of the file, from /proc/self/smaps: a header
+    // line names the file, the `Rss:` line after it says how much of it is
+    // resident.
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut in_file = false;
+    let mut resident_kib = 0u64;
+    let mut mappings = 0;
+    for line in smaps.lines() {
+        let header = line.split_whitespace().count() >= 5
+            && line
+                .split_whitespace()
+                .next()
+                .is_some_and(|r| r.contains('-'));
+        if header {
+            in_file = line.ends_with(file.to_str().unwrap());
+            mappings += usize::from(in_file);
+        } else if let Some(kib) = line.strip_prefix("Rss:").filter(|_| in_file) {
+            resident_kib += kib
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .unwrap();
+        }
+    }
+    assert_eq!(mappings, 1, "the model keeps its file mapped for the table");
+    assert_eq!(resident_kib, 0, "KiB of {} resident", file.display());
+    drop(model);
+}
