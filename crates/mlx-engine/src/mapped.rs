@@ -6,7 +6,8 @@
 //! has to be released afterwards. The rows then go through the same
 //! operations as the resident table's (gather, then dequantize), so the
 //! results are the same bit for bit. A tied output head needs every row:
-//! it is computed a slice at a time, each slice read, unpacked, multiplied
+//! it is computed a slice at a time, each slice read, unpacked (a dense
+//! one transposed on the host into the resident head's layout), multiplied
 //! and freed before the next.
 //!
 //! [`MemoryMode::MappedTables`]: crate::MemoryMode::MappedTables
@@ -213,6 +214,8 @@ impl MappedTable {
                 return transposed(&rows);
             }
         };
+        // Freed before MLX's copy is made: two slices alive, not three.
+        drop(bytes);
         Ok(array_from_bytes(&self.weight, dtype, &[dim, n], &moved)?)
     }
 
