@@ -180,29 +180,39 @@ fn gemma3_matches_mlx_lm() {
 /// its arrays: all must be evaluated at load. Gemma 3's `1 + w` norm
 /// weights were left lazy, and only a prefix's prefill happened to compute
 /// them on the worker; without a prefix, two lanes failed ("no stream in
-/// current thread").
+/// current thread"). Every Gemma layout is checked, none with a prefix.
 #[test]
-fn gemma3_on_two_lanes_without_a_prefix_equals_one_lane() {
-    let dir = tempfile::tempdir().unwrap();
-    write_gemma3(dir.path(), Layout::Text);
-    let user_only: Vec<_> = conversations()
-        .into_iter()
-        .map(|c| c[1..].to_vec())
-        .collect();
-    let texts = |lanes| {
-        let engine =
-            MlxEngine::new(EngineConfig::new(dir.path()).batch_size(2).lanes(lanes)).unwrap();
-        engine
-            .generate(
-                user_only.clone(),
-                GenerateOptions::new().max_tokens(MAX_TOKENS),
-            )
-            .unwrap()
-            .texts
-    };
-    let one_lane = texts(1);
-    assert_eq!(one_lane.len(), user_only.len());
-    assert_eq!(texts(2), one_lane);
+fn every_gemma_on_two_lanes_without_a_prefix_equals_one_lane() {
+    type Writer = fn(&Path);
+    let writers: [(&str, Writer); 3] = [
+        ("Gemma 3", |dir| write_gemma3(dir, Layout::Text)),
+        ("Gemma 4 f32", |dir| write_gemma4(dir, Layout::Text, false)),
+        ("Gemma 4 4/8-bit", |dir| {
+            write_gemma4(dir, Layout::Mlx, true)
+        }),
+    ];
+    for (what, write) in writers {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path());
+        let user_only: Vec<_> = conversations()
+            .into_iter()
+            .map(|c| c[1..].to_vec())
+            .collect();
+        let texts = |lanes| {
+            let engine =
+                MlxEngine::new(EngineConfig::new(dir.path()).batch_size(2).lanes(lanes)).unwrap();
+            engine
+                .generate(
+                    user_only.clone(),
+                    GenerateOptions::new().max_tokens(MAX_TOKENS),
+                )
+                .unwrap_or_else(|e| panic!("{what}, {lanes} lanes: {e}"))
+                .texts
+        };
+        let one_lane = texts(1);
+        assert_eq!(one_lane.len(), user_only.len(), "{what}");
+        assert_eq!(texts(2), one_lane, "{what}");
+    }
 }
 
 #[test]
