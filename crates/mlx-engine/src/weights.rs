@@ -401,7 +401,9 @@ impl Packed {
     /// slice of rows at a time (see [`in_row_slices`]).
     fn product_in_slices(&self, x: &Array, weight: &Array) -> Result<Array> {
         let (rows, dim) = (weight.dim(0) as usize, x.dim(-1) as usize);
-        in_row_slices(rows, dim, |r| self.product_with_rows(x, weight, r))
+        in_row_slices(rows, slice_rows(dim), |r| {
+            self.product_with_rows(x, weight, r)
+        })
     }
 
     pub fn quantized_matmul(&self, x: &Array, weight: &Array) -> Result<Array> {
@@ -549,21 +551,27 @@ impl OnUse<'_> {
     }
 }
 
-/// The f32 bytes of the slice of rows in which a packed matrix (or a
-/// table's head, mapped) is unpacked for a product.
+/// The f32 bytes of the slice of rows in which a packed matrix is
+/// unpacked for a product.
 const SLICE_BYTES: usize = 16 << 20;
 
 /// Rows of a `dim`-wide matrix per slice (see [`SLICE_BYTES`]).
 pub(crate) fn slice_rows(dim: usize) -> usize {
-    (SLICE_BYTES / (4 * dim.max(1))).max(1)
+    rows_in(SLICE_BYTES, dim)
 }
 
-/// `x · Wᵀ` for a `(rows, dim)` matrix `W` that is unpacked (or read) a
-/// slice of rows at a time: `part(range)` is the product with those rows,
+/// Rows of a `dim`-wide f32 matrix that fit in `bytes`, at least one.
+pub(crate) fn rows_in(bytes: usize, dim: usize) -> usize {
+    (bytes / (4 * dim.max(1))).max(1)
+}
+
+/// `x · Wᵀ` for a matrix `W` of `rows` rows that is unpacked (or read)
+/// `step` rows at a time: `part(range)` is the product with those rows,
 /// `(…, range.len())`; each is evaluated before the next slice exists, and
 /// the parts are joined.
 ///
-/// Why slices: memory, since one 16 MiB slice is unpacked at a time, not a
+/// Why slices: memory, since one slice (16 MiB for a packed matrix, see
+/// [`slice_rows`]) is unpacked at a time, not a
 /// whole matrix (Gemma's tied head is 1.5 GiB in f32; E2B's double-wide MLP
 /// matrices 150 MB); and time, since glibc serves blocks under 32 MiB
 /// from heap memory it keeps, but larger ones from fresh pages that the
@@ -573,10 +581,10 @@ pub(crate) fn slice_rows(dim: usize) -> usize {
 /// tested against the resident f32 head on SmolLM2).
 pub(crate) fn in_row_slices(
     rows: usize,
-    dim: usize,
+    step: usize,
     mut part: impl FnMut(std::ops::Range<usize>) -> Result<Array>,
 ) -> Result<Array> {
-    let step = slice_rows(dim);
+    let step = step.max(1);
     let mut parts = Vec::with_capacity(rows.div_ceil(step));
     let mut start = 0;
     while start < rows {

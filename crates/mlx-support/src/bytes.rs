@@ -40,6 +40,43 @@ pub fn array_from_bytes(key: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -
     Ok(unsafe { Array::from_ptr(raw) })
 }
 
+/// An MLX array of `shape` elements of `dtype` whose bytes `write` fills in
+/// place (row-major, little endian); `key` names the tensor in errors.
+///
+/// For data made on the host a piece at a time (a transposed slice read
+/// from a file): [`array_from_bytes`] would need the whole of it in a host
+/// buffer first and then copy it, two copies alive at once; here MLX's
+/// buffer is the only one. It starts zeroed, so bytes `write` leaves alone
+/// are zero.
+pub fn array_written<E: From<Error>>(
+    key: &str,
+    dtype: Dtype,
+    shape: &[usize],
+    write: impl FnOnce(&mut [u8]) -> std::result::Result<(), E>,
+) -> std::result::Result<Array, E> {
+    let mlx = checked_dtype(key, dtype)?;
+    let dims = checked_shape(key, shape)?;
+    let array = mlx_rs::ops::zeros_dtype(&dims, mlx).map_err(Error::from)?;
+    array.eval().map_err(Error::from)?;
+    let len = array.nbytes();
+    if len == 0 {
+        write(&mut [])?;
+        return Ok(array);
+    }
+    // SAFETY: `array` was just made and evaluated here: a row-contiguous
+    // buffer of `nbytes` bytes that MLX allocated for it alone (a filled
+    // array never shares its scalar input's buffer), which no other array
+    // or graph refers to. Its data pointer is only exposed as `const` by
+    // mlx-c; the memory itself is writable heap memory. Nothing reads it
+    // until `write` returns, and the slice does not outlive this call.
+    let bytes = unsafe {
+        let ptr = mlx_sys::mlx_array_data_uint8(array.as_ptr()).cast_mut();
+        std::slice::from_raw_parts_mut(ptr, len)
+    };
+    write(bytes)?;
+    Ok(array)
+}
+
 /// The bytes of `array` in row-major order (evaluating it first).
 pub fn array_to_bytes(array: &Array) -> Result<Vec<u8>> {
     let contiguous = array.contiguous()?;
@@ -96,4 +133,57 @@ pub fn checked_shape(key: &str, shape: &[usize]) -> Result<Vec<i32>> {
             key: key.to_owned(),
             shape: shape.to_vec(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_array_written_in_place_holds_what_was_written() {
+        let values: Vec<f32> = (0..6).map(|i| i as f32 * 1.5 - 2.0).collect();
+        let array = array_written::<Error>("w", Dtype::F32, &[2, 3], |out| {
+            assert_eq!(out.len(), 24);
+            for (chunk, v) in out.chunks_exact_mut(4).zip(&values) {
+                chunk.copy_from_slice(&v.to_le_bytes());
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(array.shape(), &[2, 3]);
+        assert_eq!(array.dtype(), mlx_rs::Dtype::Float32);
+        assert_eq!(array.as_slice::<f32>(), values.as_slice());
+        // Used in a product like any other array.
+        let sum = array.sum(None).unwrap();
+        assert_eq!(sum.item_exact::<f32>(), values.iter().sum::<f32>());
+    }
+
+    #[test]
+    fn bytes_left_unwritten_are_zero_and_errors_pass_through() {
+        let array = array_written::<Error>("w", Dtype::BF16, &[4], |out| {
+            out[..2].copy_from_slice(&0x3f80u16.to_le_bytes());
+            Ok(())
+        })
+        .unwrap();
+        let f = array.as_dtype(mlx_rs::Dtype::Float32).unwrap();
+        assert_eq!(f.as_slice::<f32>(), &[1.0, 0.0, 0.0, 0.0]);
+
+        let empty = array_written::<Error>("w", Dtype::F32, &[0, 3], |out| {
+            assert!(out.is_empty());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(empty.shape(), &[0, 3]);
+
+        let failed = array_written("w", Dtype::F32, &[2], |_| {
+            Err(Error::ByteLength {
+                key: "w".into(),
+                expected: 8,
+                actual: 0,
+            })
+        });
+        assert!(matches!(failed, Err(Error::ByteLength { .. })));
+        let unsupported = array_written::<Error>("w", Dtype::F8_E4M3, &[2], |_| Ok(()));
+        assert!(matches!(unsupported, Err(Error::UnsupportedDtype { .. })));
+    }
 }

@@ -49,7 +49,9 @@ pub use blas::{
     best_coretype, blas_threads, gemm_gflops, kernels_in_use, reexec_with_best_kernels,
     runs_generic_kernels, set_blas_threads, CpuFeatures,
 };
-pub use bytes::{array_from_bytes, array_to_bytes, checked_dtype, checked_shape, mlx_dtype_of};
+pub use bytes::{
+    array_from_bytes, array_to_bytes, array_written, checked_dtype, checked_shape, mlx_dtype_of,
+};
 pub use checkpoint::unused_by_mlx_lm;
 pub use device::{
     best_device, current_device, is_available, mlx_version, use_device, ComputeDevice, DeviceError,
