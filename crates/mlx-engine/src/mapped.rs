@@ -22,8 +22,9 @@ use mlx_support::{array_from_bytes, array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
+use crate::slices::{in_row_slices, rows_in};
 use crate::unpack::dequantize_f32;
-use crate::weights::{in_row_slices, rows_in, transposed, GatheredRows, QuantizedWeights};
+use crate::weights::{transposed, GatheredRows, QuantizedWeights};
 
 /// One table in the files: its weight and, when packed, its scales and
 /// biases, all `vocab` rows long.

@@ -16,7 +16,8 @@
 use mlx_rs::Array;
 
 use crate::error::Result;
-use crate::weights::{slice_rows, Linear, OnUse};
+use crate::slices::slice_rows;
+use crate::weights::{Linear, OnUse};
 
 /// The f32 bytes of one slice's activations at most, e.g. its gate
 /// columns for every row: a slice is evaluated as one graph, which holds

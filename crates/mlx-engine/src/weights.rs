@@ -11,13 +11,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{concatenate, dequantize, quantized_matmul};
+use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::Array;
 use mlx_support::{array_from_bytes, Quantization, QuantizationConfig};
 use st_mmap::{SafetensorsSet, TensorView};
 
 use crate::error::{Error, Result};
 use crate::mapped::MappedTable;
+use crate::slices::{in_row_slices, slice_rows};
 use crate::unpack::dequantize_f32;
 
 /// How to hold quantized weights.
@@ -551,55 +552,6 @@ impl OnUse<'_> {
     }
 }
 
-/// The f32 bytes of the slice of rows in which a packed matrix is
-/// unpacked for a product.
-const SLICE_BYTES: usize = 16 << 20;
-
-/// Rows of a `dim`-wide matrix per slice (see [`SLICE_BYTES`]).
-pub(crate) fn slice_rows(dim: usize) -> usize {
-    rows_in(SLICE_BYTES, dim)
-}
-
-/// Rows of a `dim`-wide f32 matrix that fit in `bytes`, at least one.
-pub(crate) fn rows_in(bytes: usize, dim: usize) -> usize {
-    (bytes / (4 * dim.max(1))).max(1)
-}
-
-/// `x · Wᵀ` for a matrix `W` of `rows` rows that is unpacked (or read)
-/// `step` rows at a time: `part(range)` is the product with those rows,
-/// `(…, range.len())`; each is evaluated before the next slice exists, and
-/// the parts are joined.
-///
-/// Why slices: memory, since one slice (16 MiB for a packed matrix, see
-/// [`slice_rows`]) is unpacked at a time, not a
-/// whole matrix (Gemma's tied head is 1.5 GiB in f32; E2B's double-wide MLP
-/// matrices 150 MB); and time, since glibc serves blocks under 32 MiB
-/// from heap memory it keeps, but larger ones from fresh pages that the
-/// kernel zeroes every time: at E2B's sizes that was most of a forward's
-/// system time. The parts are the columns of the whole product, bit for bit
-/// (each output element's sum runs over the same inputs in the same order;
-/// tested against the resident f32 head on SmolLM2).
-pub(crate) fn in_row_slices(
-    rows: usize,
-    step: usize,
-    mut part: impl FnMut(std::ops::Range<usize>) -> Result<Array>,
-) -> Result<Array> {
-    let step = step.max(1);
-    let mut parts = Vec::with_capacity(rows.div_ceil(step));
-    let mut start = 0;
-    while start < rows {
-        let end = (start + step).min(rows);
-        let p = part(start..end)?;
-        p.eval()?;
-        parts.push(p);
-        start = end;
-    }
-    if parts.len() == 1 {
-        return Ok(parts.swap_remove(0));
-    }
-    Ok(concatenate(&parts, -1)?)
-}
-
 /// A token embedding table.
 pub(crate) enum Embedding {
     /// Dense and transposed, `(dim, vocab)`: the layout of the tied output
@@ -789,13 +741,5 @@ mod tests {
         let last = gathered.at_position(2).unwrap().columns(16..48).unwrap();
         let expected = looked_up.index((.., 2..3, 16..48));
         assert!(bits(&last) == bits(&expected));
-    }
-
-    #[test]
-    fn slices_hold_16_mib_of_f32_rows_and_at_least_one_row() {
-        assert_eq!(slice_rows(1536), 2730);
-        assert_eq!(slice_rows(576), 7281);
-        assert_eq!(slice_rows(8 << 20), 1);
-        assert_eq!(slice_rows(0), 4 << 20);
     }
 }
