@@ -6,9 +6,9 @@
 //! has to be released afterwards. The rows then go through the same
 //! operations as the resident table's (gather, then dequantize), so the
 //! results are the same bit for bit. A tied output head needs every row:
-//! it is computed a slice at a time, each slice read, unpacked (a dense
-//! one transposed on the host into the resident head's layout), multiplied
-//! and freed before the next.
+//! it is computed a slice at a time, each slice read (a dense one straight
+//! into MLX's buffer), unpacked, multiplied in the same slices as the
+//! resident head and freed before the next.
 //!
 //! [`MemoryMode::MappedTables`]: crate::MemoryMode::MappedTables
 
@@ -22,9 +22,9 @@ use mlx_support::{array_from_bytes, array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
-use crate::slices::{in_row_slices, rows_in};
+use crate::slices::{head_slice_rows, in_row_slices};
 use crate::unpack::dequantize_f32;
-use crate::weights::{transposed, GatheredRows, QuantizedWeights};
+use crate::weights::{GatheredRows, QuantizedWeights};
 
 /// One table in the files: its weight and, when packed, its scales and
 /// biases, all `vocab` rows long.
@@ -164,10 +164,10 @@ impl MappedTable {
     /// `x · tableᵀ`: the tied output projection, `(…, vocab)`, a slice of
     /// rows read at a time.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        in_row_slices(self.vocab, rows_in(HEAD_SLICE_BYTES, self.dim), |range| {
-            // A dense table's slice is laid out as the resident head is.
+        in_row_slices(self.vocab, head_slice_rows(self.dim), |range| {
+            // A dense table's rows, multiplied as the resident head's are.
             let Some(p) = &self.packing else {
-                return Ok(x.matmul(&self.read_transposed(&range)?)?);
+                return Ok(x.matmul(self.read_dense(&range)?.t())?);
             };
             let rows = self.read(std::slice::from_ref(&range))?;
             let (scales, biases) = rows
@@ -177,68 +177,27 @@ impl MappedTable {
             Ok(if p.quantized_head {
                 let (gs, bits) = (p.q.group_size, p.q.bits);
                 mlx_rs::ops::quantized_matmul(x, &rows.weight, scales, biases, true, gs, bits)?
-            } else if !p.f32_rows {
-                // The resident head of the dequantize-on-use mode is
-                // multiplied as `x · rowsᵀ`; that of f32 at load is held
-                // transposed (see `transposed`).
-                x.matmul(dequantize_f32(&rows.weight, scales, biases, p.q)?.t())?
             } else {
-                x.matmul(transposed(&self.unpacked(&rows)?)?)?
+                // The resident heads of both modes are multiplied as
+                // `x · rowsᵀ`, in f32.
+                x.matmul(dequantize_f32(&rows.weight, scales, biases, p.q)?.t())?
             })
         })
     }
 
-    /// Rows `rows` of a dense table, transposed to `(dim, rows)`: the
-    /// resident head's columns in its layout (see [`transposed`]), so the
-    /// product is the resident one's bit for bit. Moved on the host by a
-    /// cache-blocked transpose as they are read: MLX's strided copy made
-    /// the mapped head six times the resident one's time (SmolLM2
-    /// classification at batch 8: 150 ms per chunk against 24 ms). The
-    /// rows are read a block at a time and written straight into MLX's
-    /// buffer, so the slice exists once, not read, moved and copied.
-    fn read_transposed(&self, rows: &Range<usize>) -> Result<Array> {
+    /// Rows `rows` of a dense table, read straight into MLX's buffer, so
+    /// that the slice exists once (not read, then copied by MLX).
+    fn read_dense(&self, rows: &Range<usize>) -> Result<Array> {
         let view = self
             .set
             .tensor(&self.weight)
             .ok_or_else(|| self.missing(&self.weight))?;
-        let dtype = view.dtype;
-        let size = dtype.size();
-        if !matches!(size, 2 | 4 | 8) {
-            // No other dtype makes a dense table MLX can multiply.
-            let bytes = self
-                .set
-                .read_rows(&self.weight, rows.clone())?
-                .ok_or_else(|| self.missing(&self.weight))?;
-            let rows = array_from_bytes(&self.weight, dtype, &[rows.len(), self.dim], &bytes)?;
-            return transposed(&rows);
-        }
-        let (dim, n) = (self.dim, rows.len());
-        let block = (TRANSPOSE_BLOCK_BYTES / (dim * size).max(1)).max(1);
-        let mut moved = Vec::new();
-        array_written(&self.weight, dtype, &[dim, n], |out: &mut [u8]| {
-            let mut start = rows.start;
-            while start < rows.end {
-                let end = (start + block).min(rows.end);
-                let bytes = self
-                    .set
-                    .read_rows(&self.weight, start..end)?
-                    .ok_or_else(|| self.missing(&self.weight))?;
-                let r = end - start;
-                moved.resize(bytes.len(), 0);
-                match size {
-                    2 => transpose_elements::<2>(&bytes, &mut moved, dim, r),
-                    4 => transpose_elements::<4>(&bytes, &mut moved, dim, r),
-                    _ => transpose_elements::<8>(&bytes, &mut moved, dim, r),
-                }
-                // Row `d` of the block's transpose is columns
-                // `start - rows.start ..` of the slice's row `d`.
-                let (run, at) = (r * size, (start - rows.start) * size);
-                for (d, part) in moved.chunks_exact(run).enumerate() {
-                    out[d * n * size + at..][..run].copy_from_slice(part);
-                }
-                start = end;
+        array_written(&self.weight, view.dtype, &[rows.len(), self.dim], |out| {
+            if self.set.read_rows_into(&self.weight, rows.clone(), out)? {
+                Ok(())
+            } else {
+                Err(self.missing(&self.weight))
             }
-            Ok::<(), Error>(())
         })
     }
 
@@ -299,57 +258,37 @@ impl MappedTable {
     }
 }
 
-/// The f32 bytes of the slice of a mapped table that the head reads,
-/// unpacks and multiplies at a time. Smaller than a packed matrix's slice
-/// because it is what the head adds to the resident path's memory: SmolLM2
-/// f32 at batch 8 peaked 4–10 MiB lower with 8 MiB than with 16 MiB (same
-/// speed). Not smaller: with 2 MiB slices the products were no longer the
-/// resident head's bit for bit (on OpenBLAS's SkylakeX kernels).
-const HEAD_SLICE_BYTES: usize = 8 << 20;
-
-/// Rows read and transposed at a time by [`MappedTable::read_transposed`]:
-/// small next to a head's slice, large enough that the reads and the
-/// copies stay long runs.
-const TRANSPOSE_BLOCK_BYTES: usize = 1 << 20;
-
-/// The `(rows, cols)` row-major matrix of `E`-byte elements in `bytes`,
-/// transposed to `(cols, rows)` into `out` (as long as `bytes`).
-fn transpose_elements<const E: usize>(bytes: &[u8], out: &mut [u8], cols: usize, rows: usize) {
-    let (elements, _) = bytes.as_chunks::<E>();
-    let (out, _) = out.as_chunks_mut::<E>();
-    transpose::transpose(elements, out, cols, rows);
-}
-
 #[cfg(test)]
 mod tests {
     use mlx_rs::ops::indexing::IndexOp;
 
     use super::*;
 
-    /// A table wide enough that a slice is read in several blocks, the
-    /// last one partial: the transposed slice must equal MLX's transpose
-    /// of the same rows, byte for byte.
+    /// A table of several head slices, the last one partial: the mapped
+    /// head's product equals the resident table's, bit for bit.
     #[test]
-    fn a_slice_read_in_blocks_equals_the_rows_transposed() {
-        let (vocab, dim) = (300, 2048);
-        let block = TRANSPOSE_BLOCK_BYTES / (dim * 4);
-        let rows = 7..7 + 2 * block + 17;
-        assert!(rows.end <= vocab);
+    fn the_head_read_in_slices_equals_the_resident_head() {
+        let dim = 2048;
+        let step = head_slice_rows(dim);
+        let vocab = 2 * step + 17;
         let table =
             mlx_rs::random::normal::<f32>(&[vocab as i32, dim as i32], None, None, None).unwrap();
+        let x = mlx_rs::random::normal::<f32>(&[3, dim as i32], None, None, None).unwrap();
         let dir = tempfile::tempdir().unwrap();
         Array::save_safetensors([("t", &table)], None, dir.path().join("model.safetensors"))
             .unwrap();
         let set = Arc::new(SafetensorsSet::open_dir(dir.path()).unwrap());
         let mapped = MappedTable::dense(set, "t".into(), vocab, dim);
 
-        let read = mapped.read_transposed(&rows).unwrap();
-        let wanted = table
-            .index((rows.start as i32)..(rows.end as i32))
-            .t()
-            .contiguous()
+        let rows = mapped.read_dense(&(5..9)).unwrap();
+        let wanted = table.index(5..9);
+        assert_eq!(rows.as_slice::<f32>(), wanted.as_slice::<f32>());
+
+        let head = mapped.as_linear(&x).unwrap();
+        let resident = crate::weights::Embedding::Dense(table)
+            .as_linear(&x)
             .unwrap();
-        assert_eq!(read.shape(), &[dim as i32, rows.len() as i32]);
-        assert_eq!(read.as_slice::<f32>(), wanted.as_slice::<f32>());
+        assert_eq!(head.shape(), &[3, vocab as i32]);
+        assert_eq!(head.as_slice::<f32>(), resident.as_slice::<f32>());
     }
 }

@@ -43,10 +43,10 @@ pub fn array_from_bytes(key: &str, dtype: Dtype, shape: &[usize], data: &[u8]) -
 /// An MLX array of `shape` elements of `dtype` whose bytes `write` fills in
 /// place (row-major, little endian); `key` names the tensor in errors.
 ///
-/// For data made on the host a piece at a time (a transposed slice read
-/// from a file): [`array_from_bytes`] would need the whole of it in a host
-/// buffer first and then copy it, two copies alive at once; here MLX's
-/// buffer is the only one. It starts zeroed, so bytes `write` leaves alone
+/// For data read or made on the host (rows read from a file):
+/// [`array_from_bytes`] would need the whole of it in a host buffer first
+/// and then copy it, two copies alive at once; here MLX's buffer is the
+/// only one. It starts zeroed, so bytes `write` leaves alone
 /// are zero.
 pub fn array_written<E: From<Error>>(
     key: &str,

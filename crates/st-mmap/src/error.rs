@@ -53,6 +53,14 @@ pub enum Error {
         rows: std::ops::Range<usize>,
         len: usize,
     },
+    /// A destination for rows is not their byte length.
+    #[error("{path}: {key:?}'s rows are {expected} bytes, the buffer for them {actual}")]
+    BufferLength {
+        path: PathBuf,
+        key: String,
+        expected: usize,
+        actual: usize,
+    },
     /// A key starts with the block prefix but its block number is not a
     /// plain decimal (see [`BlockPrefix`](crate::BlockPrefix)).
     #[error("{key:?} starts with block prefix {prefix:?} but {reason}")]

@@ -167,6 +167,40 @@ impl SafetensorsFile {
     /// outermost dimension (a scalar has none); [`Error::Io`] naming the file
     /// when the read fails.
     pub fn read_rows(&self, name: &str, rows: Range<usize>) -> Result<Option<Vec<u8>>> {
+        let Some((offset, len)) = self.rows_at(name, rows)? else {
+            return Ok(None);
+        };
+        let mut bytes = vec![0u8; len];
+        read_exact_at(&self.file, &mut bytes, offset).map_err(io_error(&self.path))?;
+        Ok(Some(bytes))
+    }
+
+    /// Rows `rows` of tensor `name` read into `out`, as
+    /// [`read_rows`](Self::read_rows) reads them, for a caller that owns
+    /// the destination (a buffer of an array library) and would otherwise
+    /// hold the rows twice. `false` for an unknown name.
+    ///
+    /// # Errors
+    /// As [`read_rows`](Self::read_rows), and [`Error::BufferLength`] when
+    /// `out` is not exactly the rows' byte length.
+    pub fn read_rows_into(&self, name: &str, rows: Range<usize>, out: &mut [u8]) -> Result<bool> {
+        let Some((offset, len)) = self.rows_at(name, rows)? else {
+            return Ok(false);
+        };
+        if out.len() != len {
+            return Err(Error::BufferLength {
+                path: self.path.clone(),
+                key: name.to_owned(),
+                expected: len,
+                actual: out.len(),
+            });
+        }
+        read_exact_at(&self.file, out, offset).map_err(io_error(&self.path))?;
+        Ok(true)
+    }
+
+    /// Where rows `rows` of `name` lie in the file: offset and byte length.
+    fn rows_at(&self, name: &str, rows: Range<usize>) -> Result<Option<(u64, usize)>> {
         let Some(info) = self.header.tensor(name) else {
             return Ok(None);
         };
@@ -183,9 +217,7 @@ impl SafetensorsFile {
         // and the element size, so it divides into whole rows.
         let row_bytes = info.byte_len().checked_div(len).unwrap_or(0);
         let offset = self.header.data_start() + info.data_offsets.0 + rows.start * row_bytes;
-        let mut bytes = vec![0u8; rows.len() * row_bytes];
-        read_exact_at(&self.file, &mut bytes, offset as u64).map_err(io_error(&self.path))?;
-        Ok(Some(bytes))
+        Ok(Some((offset as u64, rows.len() * row_bytes)))
     }
 
     /// Views of every tensor, in file order.

@@ -162,6 +162,18 @@ impl SafetensorsSet {
         }
     }
 
+    /// Rows `rows` of tensor `key` read into `out`; see
+    /// [`SafetensorsFile::read_rows_into`]. `false` for an unknown key.
+    ///
+    /// # Errors
+    /// As [`SafetensorsFile::read_rows_into`].
+    pub fn read_rows_into(&self, key: &str, rows: Range<usize>, out: &mut [u8]) -> Result<bool> {
+        match self.keys.get(key) {
+            Some(&i) => self.files[i].read_rows_into(key, rows, out),
+            None => Ok(false),
+        }
+    }
+
     /// The file that holds `key`.
     pub fn file_of(&self, key: &str) -> Option<&Path> {
         self.keys.get(key).map(|&i| self.files[i].path())

@@ -297,6 +297,28 @@ fn rows_are_read_by_position_from_the_file_holding_them() {
     assert_eq!(set.read_rows("small", 0..2).unwrap().unwrap(), [0, 7]);
     assert!(set.read_rows("missing", 0..1).unwrap().is_none());
 
+    // Into a caller's buffer: the same bytes; a buffer of another length
+    // is a typed error and the buffer is left as it was.
+    let mut out = vec![0u8; 12];
+    assert!(set.read_rows_into("table", 1..3, &mut out).unwrap());
+    assert_eq!(out, set.read_rows("table", 1..3).unwrap().unwrap());
+    assert!(!set.read_rows_into("missing", 0..1, &mut out).unwrap());
+    let mut short = vec![9u8; 5];
+    match set.read_rows_into("table", 1..3, &mut short) {
+        Err(Error::BufferLength {
+            path: p,
+            key,
+            expected: 12,
+            actual: 5,
+        }) => assert_eq!((p, key.as_str()), (path.clone(), "table")),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(short, [9u8; 5]);
+    assert!(matches!(
+        set.read_rows_into("table", 4..6, &mut out),
+        Err(Error::RowsOutOfRange { .. })
+    ));
+
     // Past the end, reversed, and a scalar, which has no rows.
     let reversed = std::ops::Range { start: 3, end: 2 };
     for (key, rows, len) in [
