@@ -291,4 +291,49 @@ mod tests {
         assert_eq!(head.shape(), &[3, vocab as i32]);
         assert_eq!(head.as_slice::<f32>(), resident.as_slice::<f32>());
     }
+
+    /// The same for a packed table unpacked on use (E2B's head on the CPU),
+    /// whose resident head is multiplied in a packed matrix's 16 MiB slices
+    /// and the mapped one in the head's 8 MiB: the products still agree.
+    #[test]
+    fn a_packed_head_read_in_slices_equals_the_resident_head() {
+        let dim = 2048;
+        let vocab = 2 * head_slice_rows(dim) + 64;
+        let table =
+            mlx_rs::random::normal::<f32>(&[vocab as i32, dim as i32], None, None, None).unwrap();
+        let (weight, scales, biases) = mlx_rs::ops::quantize(&table, 64, 4).unwrap();
+        let x = mlx_rs::random::normal::<f32>(&[3, dim as i32], None, None, None).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        Array::save_safetensors(
+            [
+                ("t.weight", &weight),
+                ("t.scales", &scales),
+                ("t.biases", &biases),
+            ],
+            None,
+            dir.path().join("model.safetensors"),
+        )
+        .unwrap();
+        let set = Arc::new(SafetensorsSet::open_dir(dir.path()).unwrap());
+        let q = Quantization {
+            group_size: 64,
+            bits: 4,
+        };
+        let keys = ["t.weight", "t.scales", "t.biases"].map(String::from);
+        let mode = QuantizedWeights::DequantizeOnUse;
+        let mapped = MappedTable::packed(set, keys, q, vocab, dim, mode, true);
+        let resident = crate::weights::Embedding::Packed {
+            weight,
+            packed: crate::weights::Packed {
+                scales,
+                biases,
+                q,
+                dequantize_on_use: true,
+            },
+        };
+        let head = mapped.as_linear(&x).unwrap();
+        let wanted = resident.as_linear(&x).unwrap();
+        assert_eq!(head.shape(), &[3, vocab as i32]);
+        assert_eq!(head.as_slice::<f32>(), wanted.as_slice::<f32>());
+    }
 }
