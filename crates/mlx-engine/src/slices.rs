@@ -48,9 +48,11 @@ fn rows_in(bytes: usize, dim: usize) -> usize {
 /// matrices 150 MB); and time, since glibc serves blocks under 32 MiB
 /// from heap memory it keeps, but larger ones from fresh pages that the
 /// kernel zeroes every time: at E2B's sizes that was most of a forward's
-/// system time. The parts are the columns of the whole product, bit for bit
-/// (each output element's sum runs over the same inputs in the same order;
-/// tested against the resident f32 head on SmolLM2).
+/// system time. The parts are not always the whole product's columns bit
+/// for bit: with `W` multiplied as `x · Wᵀ` from its rows, OpenBLAS gave
+/// other bits for column slices of a dense table. Two paths that must agree
+/// (a tied head resident and left in the files) therefore use the same
+/// `step` ([`head_slice_rows`]).
 pub(crate) fn in_row_slices(
     rows: usize,
     step: usize,
