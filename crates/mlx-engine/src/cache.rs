@@ -90,6 +90,9 @@ pub struct KvCache {
     /// positions of a row's new tokens are `len() - pad`, so padding does
     /// not shift them; the mask must hide the padded slots.
     pads: Vec<i32>,
+    /// Owned keys and values go to the forward's attention and are not
+    /// kept (see [`discard_owned`](Self::discard_owned)).
+    discard_owned: bool,
 }
 
 impl KvCache {
@@ -138,6 +141,16 @@ impl KvCache {
         }
         self.pads = pads;
         Ok(())
+    }
+
+    /// Keeps none of the rows' own keys and values: the one forward this
+    /// cache is for hands each layer's to its attention, and they die with
+    /// it. For a prefill that nothing reads afterwards (one token, the
+    /// classification case), whose keys and values would otherwise stay
+    /// alive across every layer and group until the chunk ends. A forward
+    /// after that one fails with [`Error::Cache`](crate::Error::Cache).
+    pub(crate) fn discard_owned(&mut self) {
+        self.discard_owned = true;
     }
 
     /// Positions owned by the rows (padding included): what a mask's last
@@ -196,6 +209,7 @@ impl KvCache {
             owned: Vec::new(),
             own_len: 0,
             pads: vec![0; rows.max(0) as usize],
+            discard_owned: false,
         })
     }
 
@@ -287,6 +301,7 @@ impl KvCache {
             owned,
             own_len,
             pads,
+            discard_owned: false,
         })
     }
 
@@ -357,6 +372,13 @@ impl KvCache {
         values: Array,
         window: Option<i32>,
     ) -> Result<(Array, Array)> {
+        if self.discard_owned {
+            if self.own_len != 0 {
+                let what = "this cache keeps no owned positions to append after";
+                return Err(cache_err(what.to_owned()));
+            }
+            return Ok((keys, values));
+        }
         if self.owned.len() <= layer {
             self.owned.resize(layer + 1, None);
         }
@@ -478,5 +500,30 @@ mod tests {
         assert_eq!(forked.shared(0).unwrap().0.dim(1), window - 1);
         assert_eq!(forked.shared(1).unwrap().0.dim(1), cache.len());
         assert_eq!(forked.len(), cache.len());
+    }
+
+    /// A cache that discards its rows' positions hands a forward's keys and
+    /// values back as given, holds none of them, and refuses a second
+    /// forward rather than attend to positions it no longer has.
+    #[test]
+    fn a_cache_that_discards_owned_positions_holds_none() {
+        let mut prefix = KvCache::new();
+        prefix
+            .append(0, positions(1, 5), positions(1, 5), None)
+            .unwrap();
+        prefix.advance(5).unwrap();
+        let mut cache = prefix.fork(3).unwrap();
+        cache.discard_owned();
+        let (k, v) = (positions(3, 4), positions(3, 4));
+        let (kk, vv) = cache.append(0, k.clone(), v.clone(), None).unwrap();
+        assert_eq!((kk.shape(), vv.shape()), (k.shape(), v.shape()));
+        cache.advance(4).unwrap();
+        assert!(cache.owned.iter().all(Option::is_none));
+        assert_eq!((cache.len(), cache.own_len()), (9, 4));
+        assert_eq!(cache.shared(0).unwrap().0.dim(1), 5, "the prefix stays");
+        match cache.append(0, positions(3, 1), positions(3, 1), None) {
+            Err(crate::Error::Cache(message)) => assert!(message.contains("keeps no")),
+            other => panic!("{other:?}"),
+        }
     }
 }

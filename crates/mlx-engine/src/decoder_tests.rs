@@ -423,6 +423,38 @@ fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
     }
 }
 
+/// A padded prefill over a fork that discards the rows' keys and values
+/// (what a classification runs) gives the logits of one that keeps them,
+/// bit for bit, for a model with separate and with tied output weights.
+#[test]
+fn a_prefill_that_keeps_no_keys_gives_the_same_logits() {
+    for model_type in ["llama", "mistral"] {
+        let dir = tempfile::tempdir().unwrap();
+        write_model(dir.path(), model_type);
+        let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+        let mut shared = KvCache::new();
+        model
+            .forward(&tokens(&[3, 17, 42, 8]), &mut shared)
+            .unwrap();
+        let block = Array::from_slice(&[0, 0, 5, 9, 8, 8, 1, 2, 0, 0, 0, 7], &[3, 4]);
+        let logits = |discard: bool| -> Vec<u32> {
+            let mut cache = shared.fork(3).unwrap();
+            cache.set_pads(vec![2, 0, 3]).unwrap();
+            if discard {
+                cache.discard_owned();
+            }
+            let logits = model.forward_last(&block, &mut cache).unwrap();
+            logits.eval().unwrap();
+            logits
+                .as_slice::<f32>()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert!(logits(true) == logits(false), "{model_type}");
+    }
+}
+
 /// Rows prefilled apart (no padding) and stacked into one cache decode as
 /// each row would alone, step after step: the stack left-pads the shorter
 /// after the shared prefix; decoding fills its one spare slot in place,

@@ -505,7 +505,10 @@ impl Layer {
                 let v = v.transpose_axes(&[0, 2, 1, 3])?;
                 let window = s.sliding.then_some(window);
                 let kv = p.cache.append(i, k, v, window)?;
-                p.kvs[i] = Some(kv.clone());
+                // Kept for the forward only where a later layer reads it.
+                if spec.is_kv_source(i) {
+                    p.kvs[i] = Some(kv.clone());
+                }
                 outputs.extend([kv.0.clone(), kv.1.clone()]);
                 kv
             }

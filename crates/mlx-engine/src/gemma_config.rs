@@ -67,6 +67,16 @@ pub(crate) struct GemmaSpec {
     pub per_layer_vocab: usize,
 }
 
+impl GemmaSpec {
+    /// Whether a later layer attends to layer `index`'s keys and values.
+    pub fn is_kv_source(&self, index: usize) -> bool {
+        self.layers
+            .iter()
+            .enumerate()
+            .any(|(i, layer)| i != index && layer.kv_source == index)
+    }
+}
+
 const GEMMA3_TEXT: &str = "gemma3_text";
 const GEMMA4_TEXT: &str = "gemma4_text";
 

@@ -403,14 +403,24 @@ fn generate_chunk(
         let mut blocks = Vec::with_capacity(groups.len());
         for group in &groups {
             let mut cache = prefix_cache.fork(group.len() as i32)?;
+            if max_tokens == 1 {
+                cache.discard_owned();
+            }
             blocks.push(padded_block(&mut cache, &rows[group.clone()])?);
             parts.push(cache);
         }
         lasts = model.last_hidden_each(&blocks, &mut parts)?;
     } else {
         for group in groups {
-            let (cache, last) = prefill(model, prefix_cache, &rows[group])?;
-            parts.push(cache);
+            let keep = max_tokens > 1;
+            let (cache, last) = prefill(model, prefix_cache, &rows[group], keep)?;
+            if keep {
+                parts.push(cache);
+            } else {
+                // Computed now, so that what the group's forward holds goes
+                // before the next group's runs.
+                last.eval()?;
+            }
             lasts.push(last);
         }
     }
@@ -450,10 +460,20 @@ fn generate_chunk(
 }
 
 /// Prefills `rows` as one left-padded block after the prefix; returns their
-/// cache and the hidden state of each row's last position (see
-/// [`Model::last_hidden`]).
-fn prefill(model: &Model, prefix: &KvCache, rows: &[&[u32]]) -> crate::Result<(KvCache, Array)> {
+/// cache (without `keep`, possibly holding none of their positions) and the
+/// hidden state of each row's last position (see [`Model::last_hidden`]).
+fn prefill(
+    model: &Model,
+    prefix: &KvCache,
+    rows: &[&[u32]],
+    keep: bool,
+) -> crate::Result<(KvCache, Array)> {
     let mut cache = prefix.fork(rows.len() as i32)?;
+    // One piece and nothing to decode after it: its keys and values are
+    // read by its own attention only (see `KvCache::discard_owned`).
+    if !keep && rows.iter().all(|r| r.len() <= PREFILL_CHUNK) {
+        cache.discard_owned();
+    }
     let last = prefill_into(model, &mut cache, rows)?;
     Ok((cache, last))
 }

@@ -404,6 +404,75 @@ fn gemma4_in_low_memory_modes_equals_resident() {
     }
 }
 
+/// A classification (one token) keeps none of its rows' keys and values,
+/// since nothing reads them after the prefill; its logits are still the
+/// first step's of a generation that keeps them, bit for bit, in every
+/// memory mode, f32 and 4-bit: KV-shared layers read their source's keys
+/// within the forward, and a prompt longer than a prefill piece (kept
+/// until its last piece) sits in a chunk of its own kind.
+#[test]
+fn a_classification_gives_a_generations_first_logits() {
+    for (quantized, layout) in [(false, Layout::Text), (true, Layout::Mlx)] {
+        let dir = tempfile::tempdir().unwrap();
+        write_gemma4(dir.path(), layout, quantized);
+        for memory in [
+            MemoryMode::Resident,
+            MemoryMode::MappedTables,
+            MemoryMode::Streamed,
+        ] {
+            // Every step's logits as bits, the choice forced to one token
+            // that is not EOS, so that each chunk decodes every step.
+            let recorded = |max_tokens: usize| -> Vec<Vec<u32>> {
+                let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+                let record = seen.clone();
+                let engine = MlxEngine::new(
+                    EngineConfig::new(dir.path())
+                        .prefix_messages(vec![system()])
+                        .batch_size(2)
+                        .lanes(1)
+                        .memory(memory)
+                        .logits_processor(move |_: &Tokenizer| {
+                            Box::new(move |logits: &Array| {
+                                let bits = logits.as_dtype(Dtype::Float32)?;
+                                bits.eval()?;
+                                let bits = bits.as_slice::<f32>().iter().map(|v| v.to_bits());
+                                record.lock().unwrap().push(bits.collect());
+                                let ids = mlx_rs::ops::arange::<_, i32>(None, VOCAB, None)?;
+                                let forced = ids.eq(Array::from_int(7))?;
+                                let one_hot = mlx_rs::ops::select(
+                                    &forced,
+                                    Array::from_f32(1.0),
+                                    Array::from_f32(0.0),
+                                )?;
+                                mlx_rs::ops::broadcast_to(&one_hot, logits.shape())
+                            })
+                        }),
+                )
+                .unwrap();
+                let generated = engine
+                    .generate(
+                        conversations(),
+                        GenerateOptions::new().max_tokens(max_tokens),
+                    )
+                    .unwrap();
+                assert_eq!(generated.texts.len(), conversations().len());
+                let seen = seen.lock().unwrap().clone();
+                seen
+            };
+            let classified = recorded(1);
+            let generated = recorded(2);
+            assert_eq!(classified.len(), 3, "three chunks of two");
+            assert_eq!(generated.len(), 6, "two steps per chunk");
+            for (chunk, logits) in classified.iter().enumerate() {
+                assert!(
+                    *logits == generated[2 * chunk],
+                    "quantized {quantized}, {memory:?}: chunk {chunk}'s logits differ"
+                );
+            }
+        }
+    }
+}
+
 /// A streamed model whose weight file is gone when a forward needs the
 /// next layer fails with an error naming the folder, not a panic.
 #[test]
