@@ -165,7 +165,7 @@ impl EngineConfig {
 
     /// The longest prompt (prefix and conversation, in tokens) a
     /// conversation may have; longer ones are
-    /// [`EngineError::PromptTooLong`]. Default: the model's
+    /// [`EngineError::PromptTooLong`](crate::EngineError::PromptTooLong). Default: the model's
     /// `max_position_embeddings`, else [`DEFAULT_MAX_PROMPT_TOKENS`].
     pub fn max_prompt_tokens(mut self, tokens: usize) -> EngineConfig {
         self.max_prompt_tokens = Some(tokens);
