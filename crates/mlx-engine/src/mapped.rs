@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use mlx_rs::ops::dequantize;
 use mlx_rs::{Array, Dtype};
-use mlx_support::{array_from_bytes, array_written, Quantization};
+use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
@@ -167,7 +167,8 @@ impl MappedTable {
         in_row_slices(self.vocab, head_slice_rows(self.dim), |range| {
             // A dense table's rows, multiplied as the resident head's are.
             let Some(p) = &self.packing else {
-                return Ok(x.matmul(self.read_dense(&range)?.t())?);
+                let rows = self.read_tensor(&self.weight, std::slice::from_ref(&range))?;
+                return Ok(x.matmul(rows.t())?);
             };
             let rows = self.read(std::slice::from_ref(&range))?;
             let (scales, biases) = rows
@@ -182,22 +183,6 @@ impl MappedTable {
                 // `x · rowsᵀ`, in f32.
                 x.matmul(dequantize_f32(&rows.weight, scales, biases, p.q)?.t())?
             })
-        })
-    }
-
-    /// Rows `rows` of a dense table, read straight into MLX's buffer, so
-    /// that the slice exists once (not read, then copied by MLX).
-    fn read_dense(&self, rows: &Range<usize>) -> Result<Array> {
-        let view = self
-            .set
-            .tensor(&self.weight)
-            .ok_or_else(|| self.missing(&self.weight))?;
-        array_written(&self.weight, view.dtype, &[rows.len(), self.dim], |out| {
-            if self.set.read_rows_into(&self.weight, rows.clone(), out)? {
-                Ok(())
-            } else {
-                Err(self.missing(&self.weight))
-            }
         })
     }
 
@@ -227,25 +212,27 @@ impl MappedTable {
         Ok(Rows { weight, packing })
     }
 
+    /// The rows `runs` of `key`, read straight into one MLX buffer, so
+    /// that they exist once (not read into a vector, then copied by MLX).
     fn read_tensor(&self, key: &str, runs: &[Range<usize>]) -> Result<Array> {
         let missing = || self.missing(key);
         let view = self.set.tensor(key).ok_or_else(missing)?;
-        let read = |run: &Range<usize>| self.set.read_rows(key, run.clone())?.ok_or_else(missing);
-        // One run (a head slice, a lookup of neighbouring ids) is used as
-        // read; several are joined.
-        let bytes = match runs {
-            [run] => read(run)?,
-            _ => {
-                let mut bytes = Vec::new();
-                for run in runs {
-                    bytes.extend(read(run)?);
-                }
-                bytes
-            }
-        };
         let mut shape = view.shape.to_vec();
         shape[0] = runs.iter().map(ExactSizeIterator::len).sum();
-        Ok(array_from_bytes(key, view.dtype, &shape, &bytes)?)
+        array_written(key, view.dtype, &shape, |out| {
+            // Whole rows: the header check made a tensor's byte length its
+            // shape's product times the element size.
+            let row_bytes = out.len().checked_div(shape[0]).unwrap_or(0);
+            let mut at = 0;
+            for run in runs {
+                let end = at + run.len() * row_bytes;
+                if !self.set.read_rows_into(key, run.clone(), &mut out[at..end])? {
+                    return Err(missing());
+                }
+                at = end;
+            }
+            Ok(())
+        })
     }
 
     /// Rows as the resident table's lookup returns them.
@@ -280,8 +267,17 @@ mod tests {
         let set = Arc::new(SafetensorsSet::open_dir(dir.path()).unwrap());
         let mapped = MappedTable::dense(set, "t".into(), vocab, dim);
 
-        let rows = mapped.read_dense(&(5..9)).unwrap();
+        let rows = mapped.read_tensor("t", &[5..9]).unwrap();
         let wanted = table.index(5..9);
+        assert_eq!(rows.as_slice::<f32>(), wanted.as_slice::<f32>());
+        // Several runs (a lookup's distinct ids), one after another.
+        let rows = mapped.read_tensor("t", &[0..2, 7..8, 40..43]).unwrap();
+        let wanted = mlx_rs::ops::concatenate(
+            &[table.index(0..2), table.index(7..8), table.index(40..43)],
+            0,
+        )
+        .unwrap();
+        assert_eq!(rows.shape(), &[6, dim as i32]);
         assert_eq!(rows.as_slice::<f32>(), wanted.as_slice::<f32>());
 
         let head = mapped.as_linear(&x).unwrap();
