@@ -131,6 +131,7 @@ mod slices;
 #[cfg(test)]
 mod test_support;
 mod tokenizer;
+mod tokenizer_file;
 mod unpack;
 mod weights;
 

@@ -226,7 +226,10 @@ impl MappedTable {
             let mut at = 0;
             for run in runs {
                 let end = at + run.len() * row_bytes;
-                if !self.set.read_rows_into(key, run.clone(), &mut out[at..end])? {
+                if !self
+                    .set
+                    .read_rows_into(key, run.clone(), &mut out[at..end])?
+                {
                     return Err(missing());
                 }
                 at = end;
@@ -267,7 +270,9 @@ mod tests {
         let set = Arc::new(SafetensorsSet::open_dir(dir.path()).unwrap());
         let mapped = MappedTable::dense(set, "t".into(), vocab, dim);
 
-        let rows = mapped.read_tensor("t", &[5..9]).unwrap();
+        let rows = mapped
+            .read_tensor("t", std::slice::from_ref(&(5..9)))
+            .unwrap();
         let wanted = table.index(5..9);
         assert_eq!(rows.as_slice::<f32>(), wanted.as_slice::<f32>());
         // Several runs (a lookup's distinct ids), one after another.

@@ -32,8 +32,11 @@ impl Message {
 /// the end-of-sequence ids from the configs.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    /// The same vocabulary reading special-token strings as plain text.
-    as_text: tokenizers::Tokenizer,
+    /// The same vocabulary reading special-token strings as plain text,
+    /// made the first time a message's content holds one: it is a copy of
+    /// the whole vocabulary (tens of MB for Gemma's), which most programs
+    /// never need.
+    as_text: std::sync::OnceLock<tokenizers::Tokenizer>,
     /// Ids of the added tokens marked special (control tokens).
     special_ids: BTreeSet<u32>,
     template: Option<String>,
@@ -78,7 +81,7 @@ impl Tokenizer {
     /// Loads the tokenizer of the model folder `dir`.
     pub fn load(dir: &Path) -> Result<Tokenizer> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Config {
+        let inner = crate::tokenizer_file::read(&path).map_err(|e| Error::Config {
             path: path.clone(),
             message: e.to_string(),
         })?;
@@ -98,8 +101,6 @@ impl Tokenizer {
         if let Some(id) = eos.as_deref().and_then(|t| inner.token_to_id(t)) {
             eos_ids.insert(id);
         }
-        let mut as_text = inner.clone();
-        as_text.set_encode_special_tokens(true);
         let special_ids = inner
             .get_added_tokens_decoder()
             .into_iter()
@@ -108,7 +109,7 @@ impl Tokenizer {
             .collect();
         Ok(Tokenizer {
             inner,
-            as_text,
+            as_text: std::sync::OnceLock::new(),
             special_ids,
             template,
             bos,
@@ -224,8 +225,12 @@ impl Tokenizer {
         let mut ids = Vec::with_capacity(encoding.len());
         for (&id, offsets) in encoding.get_ids().iter().zip(encoding.get_offsets()) {
             if self.special_ids.contains(&id) && in_content(offsets) {
-                let plain = self
-                    .as_text
+                let as_text = self.as_text.get_or_init(|| {
+                    let mut t = self.inner.clone();
+                    t.set_encode_special_tokens(true);
+                    t
+                });
+                let plain = as_text
                     .encode(&text[offsets.0..offsets.1], false)
                     .map_err(|e| Error::Template(e.to_string()))?;
                 ids.extend_from_slice(plain.get_ids());
