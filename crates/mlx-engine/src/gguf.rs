@@ -86,9 +86,9 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
             convert(&source, &checked, building.path(), weights)?;
         }
     }
-    // The tokenizer must load (a corrupt merges list fails here) before the
-    // folder is published.
-    tokenizers::Tokenizer::from_file(building.path().join("tokenizer.json"))
+    // The tokenizer must load as the engine loads it (a corrupt merges list
+    // fails here) before the folder is published.
+    crate::tokenizer_file::read(&building.path().join("tokenizer.json"))
         .map_err(|e| checked.bad(format!("the vocabulary does not make a tokenizer: {e}")))?;
     // Replace `out` whole: the old folder is moved aside first, so that at
     // every moment `out` is either the old import or the new one.
