@@ -293,6 +293,35 @@ mod tests {
         assert_eq!(head.as_slice::<f32>(), resident.as_slice::<f32>());
     }
 
+    /// A lookup with repeated, unordered and neighbouring ids returns the
+    /// resident table's rows in the tokens' order and shape; an id past
+    /// the table (or negative) is the typed error.
+    #[test]
+    fn a_lookup_gives_the_rows_of_the_tokens_in_their_order() {
+        let (vocab, dim) = (40, 8);
+        let table =
+            mlx_rs::random::normal::<f32>(&[vocab as i32, dim as i32], None, None, None).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        Array::save_safetensors([("t", &table)], None, dir.path().join("model.safetensors"))
+            .unwrap();
+        let set = Arc::new(SafetensorsSet::open_dir(dir.path()).unwrap());
+        let mapped = MappedTable::dense(set, "t".into(), vocab, dim);
+
+        let tokens = Array::from_slice(&[7, 3, 4, 5, 3, 39, 0, 7], &[2, 4]);
+        let rows = mapped.lookup(&tokens).unwrap();
+        let wanted = table.take_axis(&tokens, 0).unwrap();
+        assert_eq!(rows.shape(), &[2, 4, dim as i32]);
+        assert_eq!(rows.as_slice::<f32>(), wanted.as_slice::<f32>());
+
+        for bad in [40, -1] {
+            let err = mapped.lookup(&Array::from_slice(&[1, bad], &[1, 2]));
+            assert!(
+                matches!(err, Err(Error::TokenOutOfRange { vocab: 40, .. })),
+                "{bad}: {err:?}"
+            );
+        }
+    }
+
     /// The same for a packed table unpacked on use (E2B's head on the CPU),
     /// whose resident head is multiplied in a packed matrix's 16 MiB slices
     /// and the mapped one in the head's 8 MiB: the products still agree.
