@@ -1,13 +1,14 @@
 //! Embedding tables left in their files ([`MemoryMode::MappedTables`]).
 //!
 //! A lookup needs a few rows per token, so it reads just those rows with
-//! positioned reads ([`SafetensorsSet::read_rows`]): the pages go through
+//! positioned reads ([`SafetensorsSet::read_rows_into`], straight into
+//! the buffer of the MLX array that holds them): the pages go through
 //! the page cache but never into the process's resident set, and nothing
 //! has to be released afterwards. The rows then go through the same
 //! operations as the resident table's (gather, then dequantize), so the
 //! results are the same bit for bit. A tied output head needs every row:
-//! it is computed a slice at a time, each slice read (a dense one straight
-//! into MLX's buffer), unpacked, multiplied in the same slices as the
+//! it is computed a slice at a time, each slice read the same way,
+//! unpacked, multiplied in the same slices as the
 //! resident head and freed before the next.
 //!
 //! [`MemoryMode::MappedTables`]: crate::MemoryMode::MappedTables
