@@ -6,13 +6,13 @@
 //! a key/value head are stacked into one matrix (fewer, larger products),
 //! and the shared prefix is read once for the whole batch.
 
-use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{concatenate, maximum, select};
+use mlx_rs::ops::{maximum, select};
 use mlx_rs::Array;
 
 use crate::cache::LayerMask;
 use crate::error::Result;
 use crate::fused::exp_shifted;
+use crate::row_groups::{in_row_groups, rows_within};
 
 /// The f32 bytes of one group of rows' scores (see [`attention`]).
 const SCORES_BYTES: usize = 8 << 20;
@@ -40,12 +40,18 @@ pub(crate) fn attention(
     let (b, heads, l) = (q.dim(0) as usize, q.dim(1) as usize, q.dim(2) as usize);
     let keys = own.0.dim(2) as usize + shared.map_or(0, |(k, _)| k.dim(1) as usize);
     let per_row = 4 * heads * l * keys;
-    let rows = (SCORES_BYTES / per_row.max(1)).clamp(1, b.max(1));
-    in_row_groups(q, shared, own, mask, scale, rows)
+    in_groups_of(
+        q,
+        shared,
+        own,
+        mask,
+        scale,
+        rows_within(SCORES_BYTES, per_row, b),
+    )
 }
 
 /// [`attention`] `rows` rows at a time.
-fn in_row_groups(
+fn in_groups_of(
     q: &Array,
     shared: Option<(&Array, &Array)>,
     own: (&Array, &Array),
@@ -53,33 +59,15 @@ fn in_row_groups(
     scale: f32,
     rows: usize,
 ) -> Result<Array> {
-    let b = q.dim(0) as usize;
-    if rows >= b {
-        return rows_attention(q, shared, own, mask, scale);
-    }
-    let mut parts = Vec::with_capacity(b.div_ceil(rows));
-    for start in (0..b).step_by(rows) {
-        let r = start as i32..(start + rows).min(b) as i32;
-        let of_rows = |a: &Array| a.index(r.clone());
-        let mask = LayerMask {
-            // `(1, …)` applies to every row as it is.
-            own: mask
-                .own
-                .as_ref()
-                .map(|m| if m.dim(0) == 1 { m.clone() } else { of_rows(m) }),
-            shared: mask.shared.as_ref().map(of_rows),
-        };
-        let part = rows_attention(
-            &of_rows(q),
+    in_row_groups(q.dim(0) as usize, rows, |g| {
+        rows_attention(
+            &g.of(q),
             shared,
-            (&of_rows(own.0), &of_rows(own.1)),
-            &mask,
+            (&g.of(own.0), &g.of(own.1)),
+            &mask.of_rows(g),
             scale,
-        )?;
-        part.eval()?;
-        parts.push(part);
-    }
-    Ok(concatenate(&parts, 0)?)
+        )
+    })
 }
 
 /// [`attention`] for all of `q`'s rows at once.
@@ -186,7 +174,7 @@ mod tests {
             let own = (&own.0, &own.1);
             let whole = rows_attention(&q, shared, own, &mask, 0.3).unwrap();
             for rows in [1, 2, 3] {
-                let grouped = in_row_groups(&q, shared, own, &mask, 0.3, rows).unwrap();
+                let grouped = in_groups_of(&q, shared, own, &mask, 0.3, rows).unwrap();
                 assert_eq!(grouped.shape(), whole.shape());
                 assert!(
                     max_abs_diff(&grouped, &whole) <= 1e-6,

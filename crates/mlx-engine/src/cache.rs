@@ -6,6 +6,7 @@ use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::row_groups::RowGroup;
 
 /// Room added whenever a row-owned buffer must grow, so that decoding
 /// appends in place instead of copying the whole cache at every step.
@@ -53,6 +54,14 @@ impl LayerMask {
             own: self.own.as_ref().map(|m| last(m, 2)).transpose()?,
             shared: self.shared.as_ref().map(|m| last(m, 1)).transpose()?,
         })
+    }
+
+    /// The mask of `group`'s rows (a mask of one row applies to all).
+    pub(crate) fn of_rows(&self, group: &RowGroup) -> LayerMask {
+        LayerMask {
+            own: self.own.as_ref().map(|m| group.of_broadcast(m)),
+            shared: self.shared.as_ref().map(|m| group.of_broadcast(m)),
+        }
     }
 }
 

@@ -23,7 +23,19 @@ use crate::gemma_config::{GemmaSpec, Version};
 use crate::layers::{Forward, Layers};
 use crate::mlp::gated_mlp;
 use crate::rope::Positions;
+use crate::row_groups::{in_row_groups, rows_within};
 use crate::weights::{Embedding, GatheredRows, Linear, Weights};
+
+/// The f32 bytes of one group of rows' queries, from which a layer's
+/// attention runs to its output projection a group of rows at a time.
+/// A prefill's queries, their normed and rotated copies, the attended
+/// values and their transposed copy are each rows × positions × heads ×
+/// head size: for a global layer of E2B's shapes (8 heads of 512) and 32
+/// rows of ~100 tokens, ~50 MB apiece, several alive at once, most of
+/// the streamed layers' working set. Grouped, the projections' packed
+/// weights are unpacked once per group; a decode step's few positions are
+/// one group.
+const QUERY_BYTES: usize = 8 << 20;
 
 /// Where a checkpoint keeps the text decoder's weights.
 pub(crate) struct KeyPrefixes {
@@ -529,33 +541,42 @@ impl Layer {
             x
         };
         let l = p.l;
-        let q = fast::rms_norm(
-            &a.q.forward(&x)?.reshape(&[b, l, heads, hd])?,
-            Some(&a.q_norm),
-            c.rms_norm_eps,
-        )?;
-        let q = rope(&q.transpose_axes(&[0, 2, 1, 3])?, &p.positions)?;
         let mask = if s.sliding {
             &p.sliding_mask
         } else {
             &p.full_mask
         };
         let mask = mask.as_ref().expect("made for every type present");
-        let attended = attention(
-            &q,
-            p.cache.shared(s.kv_source),
-            (&keys, &values),
-            mask,
-            spec.attention_scale,
-        )?;
-        let attended = attended
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[b, l, heads * hd])?;
-        let out = fast::rms_norm(
-            &a.o.forward(&attended)?,
-            Some(&self.post_attention_norm),
-            c.rms_norm_eps,
-        )?;
+        let shared = p.cache.shared(s.kv_source);
+        // The queries' side, from their projection to the output's, a
+        // group of rows at a time (see `QUERY_BYTES`).
+        let per_row = 4 * (l * heads * hd) as usize;
+        let step = rows_within(QUERY_BYTES, per_row, b as usize);
+        let out = in_row_groups(b as usize, step, |g| {
+            let rows = g.len();
+            let q = fast::rms_norm(
+                &a.q.forward(&g.of(&x))?.reshape(&[rows, l, heads, hd])?,
+                Some(&a.q_norm),
+                c.rms_norm_eps,
+            )?;
+            let q = rope(&q.transpose_axes(&[0, 2, 1, 3])?, &p.positions.of_rows(g))?;
+            let attended = attention(
+                &q,
+                shared,
+                (&g.of(&keys), &g.of(&values)),
+                &mask.of_rows(g),
+                spec.attention_scale,
+            )?;
+            let attended =
+                attended
+                    .transpose_axes(&[0, 2, 1, 3])?
+                    .reshape(&[rows, l, heads * hd])?;
+            Ok(fast::rms_norm(
+                &a.o.forward(&attended)?,
+                Some(&self.post_attention_norm),
+                c.rms_norm_eps,
+            )?)
+        })?;
         let mut h = residual_add(spec.version, &p.h, &out)?;
         let x = fast::rms_norm(&h, Some(&self.pre_feedforward_norm), c.rms_norm_eps)?;
         let out = fast::rms_norm(

@@ -127,6 +127,7 @@ mod mlp;
 mod model;
 mod options;
 mod rope;
+mod row_groups;
 mod slices;
 #[cfg(test)]
 mod test_support;

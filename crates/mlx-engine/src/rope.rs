@@ -5,6 +5,7 @@ use mlx_rs::Array;
 
 use crate::cache::KvCache;
 use crate::error::Result;
+use crate::row_groups::RowGroup;
 
 /// Where each row's new tokens sit: the cached length, less each row's
 /// left padding (so padding does not shift positions).
@@ -32,6 +33,14 @@ impl Positions {
             Positions::Same(offset) => Positions::Same(offset + by),
             Positions::PerRow(offsets) => Positions::PerRow(offsets.add(Array::from_int(by))?),
         })
+    }
+
+    /// The positions of `group`'s rows.
+    pub(crate) fn of_rows(&self, group: &RowGroup) -> Positions {
+        match self {
+            Positions::Same(offset) => Positions::Same(*offset),
+            Positions::PerRow(offsets) => Positions::PerRow(group.of(offsets)),
+        }
     }
 
     /// RoPE over the first `dims` features of `x` `(B, heads, L, D)`, with
