@@ -8,6 +8,8 @@
 //! a prefix and a prompt longer than the engine's prefill pieces.
 
 mod common;
+#[path = "../../../tests/support/gemma4_e2b.rs"]
+mod gemma4_e2b;
 
 use std::path::Path;
 use std::process::Command;
@@ -594,5 +596,41 @@ fn bad_gemma_checkpoints_are_typed_errors_naming_file_and_key() {
             }
             other => panic!("{what}: {other}"),
         }
+    }
+}
+
+/// A prefill whose queries are larger than the engine's budget per group
+/// of rows (8 MiB of f32) runs each layer's attention, from the query
+/// projection to the output projection, a group of rows at a time. With
+/// E2B's shapes a global layer's queries are 8 heads of 512 features:
+/// 5 rows of 120 positions are a group of 4 rows and one of 1 there (the
+/// sliding layers' are half as wide, one group). A row of each group has
+/// the logits of the row alone (one group). Streamed layers run the same
+/// layer code (and equal resident ones: `gemma4_in_low_memory_modes_…`).
+#[test]
+fn rows_attended_a_group_at_a_time_equal_each_row_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = gemma4_e2b::E2bBase {
+        vocab: 256,
+        dtype: Dtype::Float32,
+        ..gemma4_e2b::E2bBase::default()
+    };
+    gemma4_e2b::write(dir.path(), &base);
+    let (rows, width) = (5, 120);
+    let ids: Vec<i32> = (0..rows * width).map(|i| (i * 37 + i / 7) % 256).collect();
+    let model = Model::load(dir.path(), QuantizedWeights::DequantizeOnUse).unwrap();
+    let batch = model
+        .forward_last(
+            &Array::from_slice(&ids, &[rows, width]),
+            &mut KvCache::new(),
+        )
+        .unwrap();
+    for row in [0, rows - 1] {
+        let own = &ids[(row * width) as usize..((row + 1) * width) as usize];
+        let alone = model
+            .forward_last(&Array::from_slice(own, &[1, width]), &mut KvCache::new())
+            .unwrap();
+        let d = max_difference(&row_logits(&batch, row), &row_logits(&alone, 0));
+        assert!(d <= 1e-4, "row {row}: logits differ by {d}");
     }
 }
