@@ -26,16 +26,8 @@ pub(crate) type Compiled = Box<dyn for<'a> FnMut(&'a [Array]) -> Result<Vec<Arra
 pub(crate) type Kernel = std::thread::LocalKey<RefCell<Compiled>>;
 
 /// `f` compiled for any shapes (traced once).
-fn compiled(f: fn(&[Array]) -> Result<Vec<Array>, Exception>) -> RefCell<Compiled> {
+pub(crate) fn compiled(f: fn(&[Array]) -> Result<Vec<Array>, Exception>) -> RefCell<Compiled> {
     RefCell::new(Box::new(compile(f, true)))
-}
-
-/// `f` compiled per shape of its inputs (traced again for each new one),
-/// for graphs that reshape.
-pub(crate) fn compiled_per_shape(
-    f: fn(&[Array]) -> Result<Vec<Array>, Exception>,
-) -> RefCell<Compiled> {
-    RefCell::new(Box::new(compile(f, false)))
 }
 
 // The compiled functions live as long as their thread: MLX keys a compiled

@@ -1,34 +1,46 @@
-//! Packed affine weights unpacked to f32 as compiled arithmetic.
+//! Packed affine weights unpacked to f32.
 //!
 //! Why: on the CPU backend, `QuantizedWeights::DequantizeOnUse` unpacks
 //! every packed matrix before each product, so unpacking runs over every
 //! weight of the model in every forward. MLX's CPU `dequantize` unpacks an
-//! element at a time (about 100 M elements/s on the project's machine); the
-//! same arithmetic written as a few whole-array operations compiled into
-//! one fused kernel runs about 2.5 times as fast (`python -c` with MLX
-//! 0.32.2 on a 12288 × 1536 4-bit matrix; the Rust figures are in
-//! docs/mlx-engine.md), and for f32 scales gives the same bits.
+//! element at a time (about 100 M elements/s on the project's machine).
+//! Here, for 2, 4 and 8 bits, it is three whole-array steps, each one of
+//! MLX's vectorised loops, with the same bits as `dequantize` for f32
+//! scales:
 //!
-//! For 2, 4 and 8 bits a byte holds whole elements, little end first (the
-//! order MLX packs them in, element `i` of a 32-bit word at bit
-//! `bits · i`), so each byte's elements come from integer division and
-//! remainder. Other widths straddle bytes and go through `dequantize`.
+//! 1. Spread: each byte's elements, little end first (the order MLX packs
+//!    them in, element `i` of a 32-bit word at bit `bits · i`), moved one
+//!    to a byte of a wider integer by integer arithmetic: for 4 bits,
+//!    `b + 240 · (b / 16)` puts the high nibble in the second byte of a
+//!    `u16`. Compiled into one kernel that only ever sees scalars besides
+//!    its input, so MLX runs it as a plain loop. Read as bytes (`view`),
+//!    the wider integers are the elements in order, one per byte.
+//! 2. The bytes to f32.
+//! 3. `scale · q + bias`, each group's scale and bias broadcast over its
+//!    elements by MLX's own multiply and add.
+//!
+//! An earlier form interleaved the nibbles with `stack` and fused steps 2
+//! and 3 into one compiled kernel: `stack` is a strided byte copy, and a
+//! compiled kernel with a broadcast input runs its strided loop, an index
+//! computation per element. That form took 4.9–7.8 ms for a 16 MiB slice
+//! of E2B's feed-forward matrices, this one 2.2–2.9 ms (MLX 0.32.2 from
+//! Python; the engine's figures are in docs/mlx-engine.md). Other widths
+//! straddle bytes and go through `dequantize`.
 
 use std::cell::RefCell;
 
 use mlx_rs::error::Exception;
-use mlx_rs::ops::{dequantize, stack};
+use mlx_rs::ops::dequantize;
 use mlx_rs::{Array, Dtype};
 use mlx_support::Quantization;
 
-use crate::fused::{call, compiled_per_shape, Compiled};
+use crate::fused::{call, compiled, Compiled};
 
 thread_local! {
-    // Per thread and per shape (see `fused`): MLX work stays on the thread
-    // that owns it, and a model has a handful of matrix shapes.
-    static UNPACK_2: RefCell<Compiled> = compiled_per_shape(|a| unpack(a, 2));
-    static UNPACK_4: RefCell<Compiled> = compiled_per_shape(|a| unpack(a, 4));
-    static UNPACK_8: RefCell<Compiled> = compiled_per_shape(|a| unpack(a, 8));
+    // Per thread (see `fused`): MLX work stays on the thread that owns it.
+    // Element-wise with scalars only, so compiled once for every shape.
+    static SPREAD_2: RefCell<Compiled> = compiled(|a| Ok(vec![spread_2(&a[0])?]));
+    static SPREAD_4: RefCell<Compiled> = compiled(|a| Ok(vec![spread_4(&a[0])?]));
 }
 
 /// The packed `(rows, cols · bits / 32)` matrix `weight` with its
@@ -40,19 +52,32 @@ pub(crate) fn dequantize_f32(
     biases: &Array,
     q: Quantization,
 ) -> Result<Array, Exception> {
-    let kernel = match q.bits {
-        2 => &UNPACK_2,
-        4 => &UNPACK_4,
-        8 => &UNPACK_8,
-        _ => return general(weight, scales, biases, q),
-    };
-    if weight.ndim() != 2 || weight.dtype() != Dtype::Uint32 || scales.ndim() != 2 {
+    let unpacked_here = matches!(q.bits, 2 | 4 | 8)
+        // The spread's bytes are read in memory order.
+        && cfg!(target_endian = "little")
+        && weight.ndim() == 2
+        && weight.dtype() == Dtype::Uint32
+        && scales.ndim() == 2;
+    if !unpacked_here {
         return general(weight, scales, biases, q);
     }
     // The words as bytes: `(rows, 4 · words)`, the same memory.
     let bytes = weight.view::<u8>()?;
-    let [dense] = call(kernel, &[bytes, scales.clone(), biases.clone()])?;
-    Ok(dense)
+    let elements = match q.bits {
+        2 => call::<1>(&SPREAD_2, &[bytes])?[0].view::<u8>()?,
+        4 => call::<1>(&SPREAD_4, &[bytes])?[0].view::<u8>()?,
+        _ => bytes,
+    };
+    let (rows, groups) = (scales.dim(0), scales.dim(1));
+    let elements = elements
+        .as_dtype(Dtype::Float32)?
+        .reshape(&[rows, groups, -1])?;
+    let scales = scales.as_dtype(Dtype::Float32)?.expand_dims(-1)?;
+    let biases = biases.as_dtype(Dtype::Float32)?.expand_dims(-1)?;
+    elements
+        .multiply(&scales)?
+        .add(&biases)?
+        .reshape(&[rows, -1])
 }
 
 fn general(
@@ -64,32 +89,25 @@ fn general(
     dequantize(weight, scales, biases, q.group_size, q.bits)?.as_dtype(Dtype::Float32)
 }
 
-/// The compiled graph: bytes `(rows, n)`, scales and biases `(rows,
-/// groups)` → `(rows, groups · group size)` f32.
-fn unpack(a: &[Array], bits: i32) -> Result<Vec<Array>, Exception> {
-    let (bytes, scales, biases) = (&a[0], &a[1], &a[2]);
-    let (rows, groups) = (scales.dim(0), scales.dim(1));
-    let per_byte = 8 / bits;
-    let elements = if per_byte == 1 {
-        bytes.clone()
-    } else {
-        let levels = Array::from_slice(&[1u8 << bits], &[]);
-        let parts = (0..per_byte)
-            .map(|j| {
-                let shift = Array::from_slice(&[1u8 << (bits * j)], &[]);
-                bytes.floor_divide(&shift)?.remainder(&levels)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // `(rows, n, per_byte)`: each byte's elements in order.
-        stack(&parts, -1)?
-    };
-    let elements = elements
-        .as_dtype(Dtype::Float32)?
-        .reshape(&[rows, groups, -1])?;
-    let scales = scales.as_dtype(Dtype::Float32)?.expand_dims(-1)?;
-    let biases = biases.as_dtype(Dtype::Float32)?.expand_dims(-1)?;
-    let dense = elements.multiply(&scales)?.add(&biases)?;
-    Ok(vec![dense.reshape(&[rows, -1])?])
+/// Bytes of two 4-bit elements → `u16`s holding one per byte: the low
+/// nibble stays, the high one moves up by 4 bits (`+ 240 · high`).
+fn spread_4(bytes: &Array) -> Result<Array, Exception> {
+    let u16s = |v: u16| Array::from_slice(&[v], &[]);
+    let b = bytes.as_dtype(Dtype::Uint16)?;
+    b.floor_divide(u16s(16))?.multiply(u16s(240))?.add(&b)
+}
+
+/// Bytes of four 2-bit elements → `u32`s holding one per byte: element
+/// `j`, `(b / 4ʲ) mod 4`, moved to bits `8j`.
+fn spread_2(bytes: &Array) -> Result<Array, Exception> {
+    let u32s = |v: u32| Array::from_slice(&[v], &[]);
+    let b = bytes.as_dtype(Dtype::Uint32)?;
+    let mut out = b.remainder(u32s(4))?;
+    for j in 1..4u32 {
+        let element = b.floor_divide(u32s(1 << (2 * j)))?.remainder(u32s(4))?;
+        out = out.add(element.multiply(u32s(1 << (8 * j)))?)?;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
