@@ -6,6 +6,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::row_groups::rows_within;
 
 /// The f32 bytes of the slice of rows in which a packed matrix is
 /// unpacked for a product.
@@ -34,7 +35,7 @@ pub(crate) fn head_slice_rows(dim: usize) -> usize {
 
 /// Rows of a `dim`-wide f32 matrix that fit in `bytes`, at least one.
 fn rows_in(bytes: usize, dim: usize) -> usize {
-    (bytes / (4 * dim.max(1))).max(1)
+    rows_within(bytes, 4 * dim.max(1), usize::MAX)
 }
 
 /// `x · Wᵀ` for a matrix `W` of `rows` rows that is unpacked (or read)
