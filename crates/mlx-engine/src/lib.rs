@@ -111,6 +111,7 @@ mod config;
 mod decoder_tests;
 mod engine;
 mod error;
+mod few_rows;
 mod fused;
 mod gemma;
 mod gemma_config;

@@ -17,6 +17,7 @@ use mlx_support::{array_from_bytes, Quantization, QuantizationConfig};
 use st_mmap::{SafetensorsSet, TensorView};
 
 use crate::error::{Error, Result};
+use crate::few_rows;
 use crate::mapped::MappedTable;
 use crate::slices::{head_slice_rows, in_row_slices, slice_rows};
 use crate::unpack::dequantize_f32;
@@ -249,23 +250,33 @@ impl Weights<'_> {
         };
         let Some((weight, packed)) = self.packed(prefix, outputs, inputs)? else {
             let weight = self.array(&format!("{prefix}.weight"), &[outputs, inputs])?;
-            return Ok(Linear {
-                weight: self.transposed(&weight)?,
-                bias,
-                packed: None,
-            });
+            return self.dense_linear(&weight, bias);
         };
-        Ok(match self.mode {
-            QuantizedWeights::DequantizeF32 => Linear {
-                weight: self.transposed(&packed.dense_f32(&weight)?)?,
-                bias,
-                packed: None,
-            },
-            QuantizedWeights::Keep | QuantizedWeights::DequantizeOnUse => Linear {
+        match self.mode {
+            QuantizedWeights::DequantizeF32 => self.dense_linear(&packed.dense_f32(&weight)?, bias),
+            QuantizedWeights::Keep | QuantizedWeights::DequantizeOnUse => Ok(Linear {
                 weight,
                 bias,
                 packed: Some(packed),
-            },
+                panels: false,
+            }),
+        }
+    }
+
+    /// A dense linear layer of `weight` `(out, in)`, laid out for its
+    /// products: in panels where the few-row kernel runs, else `(in, out)`.
+    fn dense_linear(&self, weight: &Array, bias: Option<Array>) -> Result<Linear> {
+        let panels = few_rows::holds_in_panels(weight.dim(0) as usize, weight.dtype());
+        let weight = match (panels, self.streamed.is_some()) {
+            (true, true) => few_rows::to_panels(weight)?,
+            (true, false) => evaluated(few_rows::to_panels(weight)?)?,
+            (false, _) => self.transposed(weight)?,
+        };
+        Ok(Linear {
+            weight,
+            bias,
+            packed: None,
+            panels,
         })
     }
 
@@ -354,9 +365,13 @@ impl Weights<'_> {
 /// the project's machine; no difference at hundreds of rows). Done once at
 /// load, a matrix at a time, so loading holds one extra matrix at most.
 pub(crate) fn transposed(w: &Array) -> Result<Array> {
-    let t = w.t().contiguous()?;
-    t.eval()?;
-    Ok(t)
+    evaluated(w.t().contiguous()?)
+}
+
+/// `a`, evaluated: lanes only read arrays computed before they start.
+fn evaluated(a: Array) -> Result<Array> {
+    a.eval()?;
+    Ok(a)
 }
 
 /// What unpacks a quantized weight matrix.
@@ -420,10 +435,13 @@ impl Packed {
 
 /// A linear layer, `x @ Wᵀ + b`, dense or quantized.
 pub(crate) struct Linear {
-    /// Dense: `Wᵀ`, `(in, out)`. Packed: as stored, `(out, in / pack)`.
+    /// Dense: `Wᵀ`, `(in, out)`, or in panels (`panels`). Packed: as
+    /// stored, `(out, in / pack)`.
     weight: Array,
     bias: Option<Array>,
     packed: Option<Packed>,
+    /// Dense and held in [`few_rows`] panels, `(out / PANEL, in, PANEL)`.
+    panels: bool,
 }
 
 impl Linear {
@@ -431,6 +449,7 @@ impl Linear {
         let y = match &self.packed {
             Some(p) if p.dequantize_on_use => p.product_in_slices(x, &self.weight)?,
             Some(p) => p.quantized_matmul(x, &self.weight)?,
+            None if self.panels => few_rows::product(x, &self.weight)?,
             None => x.matmul(&self.weight)?,
         };
         Ok(match &self.bias {
@@ -445,6 +464,9 @@ impl Linear {
     /// those rows of the weight.
     pub(crate) fn forward_outputs(&self, x: &Array, outputs: Range<usize>) -> Result<Array> {
         let r = outputs.start as i32..outputs.end as i32;
+        if self.panels {
+            return self.panel_outputs(x, outputs);
+        }
         let y = match &self.packed {
             Some(p) if p.dequantize_on_use => p.product_with_rows(x, &self.weight, outputs)?,
             Some(p) => quantized_matmul(
@@ -457,6 +479,27 @@ impl Linear {
                 p.q.bits,
             )?,
             None => x.matmul(self.weight.index((.., r.clone())))?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.add(b.index(r))?,
+            None => y,
+        })
+    }
+
+    /// [`forward_outputs`](Self::forward_outputs) of a layer held in
+    /// panels: the panels that hold `outputs` when they start and end on
+    /// a panel's edge, else the whole product's columns.
+    fn panel_outputs(&self, x: &Array, outputs: Range<usize>) -> Result<Array> {
+        let r = outputs.start as i32..outputs.end as i32;
+        let aligned = outputs.start.is_multiple_of(few_rows::PANEL)
+            && outputs.end.is_multiple_of(few_rows::PANEL);
+        let y = if aligned {
+            let panels = self.weight.index(
+                (outputs.start / few_rows::PANEL) as i32..(outputs.end / few_rows::PANEL) as i32,
+            );
+            few_rows::product(x, &panels)?
+        } else {
+            x.matmul(few_rows::transposed(&self.weight)?.index((.., r.clone())))?
         };
         Ok(match &self.bias {
             Some(b) => y.add(b.index(r))?,
@@ -494,6 +537,7 @@ impl Linear {
                 q,
                 dequantize_on_use: true,
             }),
+            panels: false,
         }
     }
 }
