@@ -1,5 +1,5 @@
-//! Products of a few rows with a dense f32 weight on the CPU: a decode
-//! step's.
+//! Products with dense f32 weights on the CPU, made for a decode step's
+//! few rows.
 //!
 //! A decode step multiplies every weight by one row per conversation (8 at
 //! batch 8). BLAS packs each weight matrix before multiplying it, which for
@@ -67,14 +67,23 @@ pub(crate) fn transposed(panels: &Array) -> Result<Array> {
         .reshape(&[inputs, count * PANEL as i32])?)
 }
 
-/// `x · W` for `x` `(…, in)` and `W` held as `panels`: `(…, out)`.
+/// `x · W` for `x` `(…, in)` and `W` held as `panels`: `(…, out)`, in
+/// f32 (as MLX promotes a narrower `x` against an f32 weight).
 pub(crate) fn product(x: &Array, panels: &Array) -> Result<Array> {
-    let inputs = panels.dim(1) as usize;
-    let rows = x.size().checked_div(inputs).unwrap_or(0);
-    if rows == 0 || !supported() {
+    let inputs = panels.dim(1);
+    let fits = x.ndim() > 0 && x.shape()[x.ndim() - 1] == inputs;
+    let rows = x.size().checked_div(inputs as usize).unwrap_or(0);
+    if !fits || rows == 0 || !supported() {
+        // MLX's product: an empty one, or the error that names a shape
+        // that does not fit.
         return Ok(x.matmul(transposed(panels)?)?);
     }
-    on_host(x, panels, rows, inputs)
+    let x = if x.dtype() == mlx_rs::Dtype::Float32 {
+        x.clone()
+    } else {
+        x.as_dtype(mlx_rs::Dtype::Float32)?
+    };
+    on_host(&x, panels, rows, inputs as usize)
 }
 
 /// [`product`] computed by the kernel, its sums written straight into the
@@ -309,6 +318,17 @@ mod tests {
             let diff = max_abs_diff(&got, &want);
             assert!(diff < 1e-4, "{shape:?}: {diff}");
         }
+        let narrow = random::normal::<f32>(&[2, 40], None, None, &key)
+            .unwrap()
+            .as_dtype(mlx_rs::Dtype::Bfloat16)
+            .unwrap();
+        let got = product(&narrow, &panels).unwrap();
+        assert_eq!(got.dtype(), mlx_rs::Dtype::Float32);
+        let want = narrow.matmul(w.t()).unwrap();
+        assert!(max_abs_diff(&got, &want) < 1e-4);
+        let wrong = mlx_rs::ops::ones::<f32>(&[2, 41]).unwrap();
+        let refused = product(&wrong, &panels).and_then(|y| Ok(y.eval()?));
+        assert!(refused.is_err(), "a width that does not fit is MLX's error");
     }
 
     /// A deterministic spread of values, some negative.
