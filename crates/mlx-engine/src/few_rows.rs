@@ -300,9 +300,9 @@ mod tests {
     use super::*;
     use crate::test_support::max_abs_diff;
 
-    /// Through MLX: a few rows (the kernel where the CPU has it) and many
-    /// rows (BLAS on the panels' `(in, out)` copy) both give `x · Wᵀ`, in
-    /// `x`'s shape.
+    /// Through MLX: one tile of rows and more (the kernel where the CPU
+    /// has it), and a narrower input, give `x · Wᵀ` in `x`'s shape; a width
+    /// that does not fit is MLX's error.
     #[test]
     fn products_in_panels_equal_the_plain_product() {
         let key = random::key(7).unwrap();

@@ -263,17 +263,26 @@ impl Weights<'_> {
         }
     }
 
-    /// A dense linear layer of `weight` `(out, in)`, laid out for its
-    /// products: in panels where the few-row kernel runs, else `(in, out)`.
+    /// A dense linear layer of `weight` `(out, in)`, laid out once for its
+    /// products: in [`few_rows`] panels where that kernel runs, else as
+    /// `Wᵀ` `(in, out)`, which OpenBLAS repacks somewhat faster than the
+    /// checkpoint's `(out, in)` read transposed on rows of few tokens (a
+    /// micro-benchmark on the project's machine; no difference at hundreds
+    /// of rows). Evaluated now, a matrix at a time, so that loading holds
+    /// one extra matrix at most and lanes read only computed arrays; in a
+    /// streamed layer, when the layer runs.
     fn dense_linear(&self, weight: &Array, bias: Option<Array>) -> Result<Linear> {
         let panels = few_rows::holds_in_panels(weight.dim(0) as usize, weight.dtype());
-        let weight = match (panels, self.streamed.is_some()) {
-            (true, true) => few_rows::to_panels(weight)?,
-            (true, false) => evaluated(few_rows::to_panels(weight)?)?,
-            (false, _) => self.transposed(weight)?,
+        let laid_out = if panels {
+            few_rows::to_panels(weight)?
+        } else {
+            weight.t().contiguous()?
         };
+        if self.streamed.is_none() {
+            laid_out.eval()?;
+        }
         Ok(Linear {
-            weight,
+            weight: laid_out,
             bias,
             packed: None,
             panels,
@@ -310,16 +319,6 @@ impl Weights<'_> {
 }
 
 impl Weights<'_> {
-    /// `w` transposed for [`Linear`]: evaluated at once (see
-    /// [`transposed`]), except in a streamed layer, where it is computed
-    /// when the layer runs.
-    fn transposed(&self, w: &Array) -> Result<Array> {
-        if self.streamed.is_some() {
-            return Ok(w.t().contiguous()?);
-        }
-        transposed(w)
-    }
-
     /// [`embedding`](Self::embedding) left in the files: the shapes are
     /// checked now, the rows read at each lookup.
     fn mapped_embedding(
@@ -355,23 +354,6 @@ impl Weights<'_> {
             as_head,
         ))))
     }
-}
-
-/// `wᵀ`, evaluated as a contiguous matrix so the original can be dropped.
-///
-/// Dense weights are held as `(in, out)`: with the product `x · W` on rows
-/// of few tokens (decoding), OpenBLAS repacks that layout somewhat faster
-/// than the checkpoint's `(out, in)` read transposed (a micro-benchmark on
-/// the project's machine; no difference at hundreds of rows). Done once at
-/// load, a matrix at a time, so loading holds one extra matrix at most.
-pub(crate) fn transposed(w: &Array) -> Result<Array> {
-    evaluated(w.t().contiguous()?)
-}
-
-/// `a`, evaluated: lanes only read arrays computed before they start.
-fn evaluated(a: Array) -> Result<Array> {
-    a.eval()?;
-    Ok(a)
 }
 
 /// What unpacks a quantized weight matrix.
