@@ -430,7 +430,7 @@ impl ModelBench {
             "gemma4-e2b" => Some(ModelBench {
                 name: "Gemma 4 E2B-shaped (random weights)",
                 fixture_var: "MLX_LOWMEM_GEMMA3",
-                make: Some(|gemma3| gemma4_e2b::ensure(&gemma3.join("f32"))),
+                make: Some(|gemma3| gemma4_e2b::ensure(&gemma3.join("f32"), GEMMA_TURNS)),
                 variants: "q4,f32",
                 system_words: 650,
                 conversations: "8",
@@ -443,7 +443,8 @@ impl ModelBench {
                 batches: "2,8",
                 max_tokens: "1",
                 modes: &[("per-chunk", "mlx_lm")],
-                chat_template: Some(GEMMA_TURNS),
+                // The folder has its own (`gemma4_e2b::ensure`).
+                chat_template: None,
             }),
             _ => None,
         }

@@ -40,7 +40,7 @@ const BITS: i32 = 4;
 /// Layers per weights file, so that making one holds a few layers at most.
 const LAYERS_PER_FILE: i32 = 5;
 /// Bumped whenever what is written changes, so an old copy is remade.
-const VERSION: &str = "3";
+const VERSION: &str = "4";
 
 fn config() -> serde_json::Value {
     let layer_types: Vec<&str> = (0..LAYERS)
@@ -180,8 +180,9 @@ fn dequantized(file: &Path) -> anyhow::Result<File> {
 }
 
 /// Makes (once) the model under `target/bench-fixtures` and returns the
-/// folder holding `q4/` and `f32/`; the tokenizer comes from `tokenizer_dir`.
-pub fn ensure(tokenizer_dir: &Path) -> anyhow::Result<PathBuf> {
+/// folder holding `q4/` and `f32/`; the tokenizer comes from `tokenizer_dir`
+/// and the chat template is `chat_template`.
+pub fn ensure(tokenizer_dir: &Path, chat_template: &str) -> anyhow::Result<PathBuf> {
     let root =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/bench-fixtures/gemma4-e2b-shaped");
     let done = root.join(format!("complete-v{VERSION}"));
@@ -220,10 +221,21 @@ pub fn ensure(tokenizer_dir: &Path) -> anyhow::Result<PathBuf> {
     std::fs::write(q4.join("config.json"), q4_config.to_string())?;
     // Still a quantized model (the tables), so the same entry.
     std::fs::write(f32.join("config.json"), q4_config.to_string())?;
+    // Gemma 3's tokenizer config with a chat template, as E2B's own has
+    // one: so that the folder serves as it is (`classify`, `cargo xtask
+    // memory-limit --model-dir …/q4`), not only through the benchmark.
+    let mut tokenizer_config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tokenizer_dir.join("tokenizer_config.json"))?)?;
+    tokenizer_config["chat_template"] = chat_template.into();
     for dir in [&q4, &f32] {
-        for name in ["tokenizer.json", "tokenizer_config.json"] {
-            std::fs::copy(tokenizer_dir.join(name), dir.join(name))?;
-        }
+        std::fs::copy(
+            tokenizer_dir.join("tokenizer.json"),
+            dir.join("tokenizer.json"),
+        )?;
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            tokenizer_config.to_string(),
+        )?;
     }
     std::fs::write(&done, "")?;
     Ok(root)
