@@ -35,7 +35,7 @@ struct Args {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Memory {
-    /// The engine's choice (`MemoryMode::for_model`).
+    /// The engine's choice (`MemoryMode::for_model_dir`).
     Auto,
     Resident,
     Mapped,

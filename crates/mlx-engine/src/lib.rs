@@ -78,7 +78,8 @@
 //! layer read from the files only while it runs (`Streamed`, which can
 //! also apply an unfused LoRA adapter as the layers are read:
 //! `EngineConfig::lora`). All give the same logits bit for bit; the
-//! default follows the model's size and [`mlx_support::memory_limit`].
+//! default follows the model's size, its tables' size and
+//! [`mlx_support::memory_limit`] ([`MemoryMode::for_model`]).
 //!
 //! # Performance
 //!

@@ -141,9 +141,9 @@ impl EngineConfig {
         self
     }
 
-    /// Where the weights live (default: [`MemoryMode::for_model`] with the
-    /// size of the model folder's weight files and
-    /// [`mlx_support::memory_limit`]).
+    /// Where the weights live (default: [`MemoryMode::for_model_dir`]: the
+    /// size of the model folder's weight files and of its embedding
+    /// tables, and [`mlx_support::memory_limit`]).
     pub fn memory(mut self, memory: MemoryMode) -> EngineConfig {
         self.memory = Some(memory);
         self

@@ -78,24 +78,43 @@ pub enum MemoryMode {
 
 impl MemoryMode {
     /// The engine's default for a model whose weight files hold
-    /// `weight_bytes`, on a machine whose memory limit (physical memory, or
-    /// a lower cgroup limit) is `memory_bytes`: resident while the weights
-    /// take at most half the memory, since the page cache, the activations
-    /// and the rest of the application need the other half; tables mapped
-    /// beyond that, and layers streamed too when the weights alone would
-    /// fill the memory. Unknown memory: resident.
-    pub fn for_model(weight_bytes: u64, memory_bytes: Option<u64>) -> MemoryMode {
-        match memory_bytes {
-            Some(memory) if weight_bytes > memory => MemoryMode::Streamed,
-            Some(memory) if weight_bytes > memory / 2 => MemoryMode::MappedTables,
-            _ => MemoryMode::Resident,
+    /// `weight_bytes`, `table_bytes` of them in embedding tables, on a
+    /// machine whose memory limit (physical memory, or a lower cgroup
+    /// limit) is `memory_bytes`. As many weights resident as fit in half
+    /// the memory, since the page cache, the activations and the rest of
+    /// the application need the other half: resident while
+    /// all the weights fit that half; tables mapped while all but the
+    /// tables do; layers streamed too beyond that. Unknown memory:
+    /// resident.
+    ///
+    /// ```
+    /// use mlx_engine::MemoryMode;
+    /// const MB: u64 = 1_000_000;
+    /// // Gemma 4 E2B at 4 bits: 2.9 GB of weights, 1.7 GB of them tables.
+    /// let e2b = |memory| MemoryMode::for_model(2893 * MB, 1720 * MB, Some(memory * MB));
+    /// assert_eq!(e2b(8000), MemoryMode::Resident);
+    /// assert_eq!(e2b(2500), MemoryMode::MappedTables);
+    /// assert_eq!(e2b(1000), MemoryMode::Streamed);
+    /// ```
+    pub fn for_model(weight_bytes: u64, table_bytes: u64, memory_bytes: Option<u64>) -> MemoryMode {
+        let Some(half) = memory_bytes.map(|m| m / 2) else {
+            return MemoryMode::Resident;
+        };
+        if weight_bytes <= half {
+            MemoryMode::Resident
+        } else if weight_bytes.saturating_sub(table_bytes) <= half {
+            MemoryMode::MappedTables
+        } else {
+            MemoryMode::Streamed
         }
     }
 
     /// [`for_model`](Self::for_model) for the model folder `dir` on this
-    /// machine ([`mlx_support::memory_limit`]): the engine's default.
+    /// machine ([`mlx_support::memory_limit`]): the engine's default. The
+    /// tables' size is read from the files' headers.
     pub fn for_model_dir(dir: &Path) -> MemoryMode {
-        MemoryMode::for_model(weight_bytes(dir), mlx_support::memory_limit())
+        let (weights, tables) = weight_bytes(dir);
+        MemoryMode::for_model(weights, tables, mlx_support::memory_limit())
     }
 
     /// Whether embedding tables stay in their files.
@@ -104,17 +123,40 @@ impl MemoryMode {
     }
 }
 
-/// The size of the `.safetensors` files in `dir` (0 where unreadable: the
-/// load reports that).
-fn weight_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
+/// The size of the `.safetensors` files in `dir`, and of the embedding
+/// tables' tensors in them (0 where unreadable: the load reports that).
+fn weight_bytes(dir: &Path) -> (u64, u64) {
+    let weights = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .filter_map(|e| e.ok())
         .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
         .filter_map(|e| e.metadata().ok())
         .map(|m| m.len())
-        .sum()
+        .sum();
+    let tables = SafetensorsSet::open_dir(dir).map_or(0, |set| {
+        set.keys()
+            .filter(|key| is_table_key(key))
+            .filter_map(|key| set.tensor(key))
+            .map(|t| t.data.len() as u64)
+            .sum()
+    });
+    (weights, tables)
+}
+
+/// The modules of the embedding tables that [`MemoryMode::MappedTables`]
+/// leaves in the files: the token table (also a tied head) and Gemma's
+/// per-layer table, under any prefix.
+const TABLE_MODULES: [&str; 2] = ["embed_tokens", "embed_tokens_per_layer"];
+
+/// Whether `key` (`{prefix}{module}.{weight|scales|biases}`) is a tensor of
+/// an embedding table.
+fn is_table_key(key: &str) -> bool {
+    let Some((module, _)) = key.rsplit_once('.') else {
+        return false;
+    };
+    let name = module.rsplit('.').next().unwrap_or(module);
+    TABLE_MODULES.contains(&name)
 }
 
 /// The weights of one model folder, read through a key prefix (`model.`,
@@ -718,15 +760,70 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tables_are_mapped_past_half_the_memory_and_layers_streamed_past_all_of_it() {
+    fn the_default_mode_keeps_resident_weights_within_half_the_memory() {
         const GIB: u64 = 1 << 30;
-        let mode = |weights, memory| MemoryMode::for_model(weights, memory);
-        assert_eq!(mode(3 * GIB, Some(8 * GIB)), MemoryMode::Resident);
-        assert_eq!(mode(4 * GIB, Some(8 * GIB)), MemoryMode::Resident);
-        assert_eq!(mode(5 * GIB, Some(8 * GIB)), MemoryMode::MappedTables);
-        assert_eq!(mode(8 * GIB, Some(8 * GIB)), MemoryMode::MappedTables);
-        assert_eq!(mode(9 * GIB, Some(8 * GIB)), MemoryMode::Streamed);
-        assert_eq!(mode(100 * GIB, None), MemoryMode::Resident);
+        let mode = |weights, tables, memory| MemoryMode::for_model(weights, tables, memory);
+        assert_eq!(mode(3 * GIB, GIB, Some(8 * GIB)), MemoryMode::Resident);
+        assert_eq!(mode(4 * GIB, GIB, Some(8 * GIB)), MemoryMode::Resident);
+        // Past half: all but the tables within half, the tables mapped.
+        assert_eq!(mode(5 * GIB, GIB, Some(8 * GIB)), MemoryMode::MappedTables);
+        assert_eq!(
+            mode(9 * GIB, 5 * GIB, Some(8 * GIB)),
+            MemoryMode::MappedTables
+        );
+        // The rest past half too: layers streamed, even where the weights
+        // would fit in the memory.
+        assert_eq!(mode(6 * GIB, GIB, Some(8 * GIB)), MemoryMode::Streamed);
+        assert_eq!(mode(9 * GIB, GIB, Some(8 * GIB)), MemoryMode::Streamed);
+        // Tables larger than the file sizes (impossible) do not wrap.
+        assert_eq!(
+            mode(5 * GIB, 6 * GIB, Some(8 * GIB)),
+            MemoryMode::MappedTables
+        );
+        assert_eq!(mode(100 * GIB, GIB, None), MemoryMode::Resident);
+    }
+
+    #[test]
+    fn table_keys_are_the_embedding_tables_under_any_prefix() {
+        for key in [
+            "model.embed_tokens.weight",
+            "model.embed_tokens.scales",
+            "language_model.model.embed_tokens.biases",
+            "model.language_model.embed_tokens_per_layer.weight",
+        ] {
+            assert!(is_table_key(key), "{key}");
+        }
+        for key in [
+            "lm_head.weight",
+            "model.layers.0.mlp.up_proj.weight",
+            "model.per_layer_model_projection.weight",
+            "model.embed_tokens_norm.weight",
+            "embed_tokens",
+        ] {
+            assert!(!is_table_key(key), "{key}");
+        }
+    }
+
+    /// The folder's sizes come from its files: the tables' tensors by
+    /// their headers, the total by the files' lengths.
+    #[test]
+    fn a_folders_table_bytes_are_its_tables_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let table = Array::from_slice(&[0f32; 64 * 8], &[64, 8]);
+        let layer = Array::from_slice(&[0f32; 8 * 8], &[8, 8]);
+        Array::save_safetensors(
+            [
+                ("model.embed_tokens.weight", &table),
+                ("model.layers.0.mlp.up_proj.weight", &layer),
+            ],
+            None,
+            dir.path().join("model.safetensors"),
+        )
+        .unwrap();
+        let file = std::fs::metadata(dir.path().join("model.safetensors")).unwrap();
+        assert_eq!(weight_bytes(dir.path()), (file.len(), 64 * 8 * 4));
+        let missing = dir.path().join("missing");
+        assert_eq!(weight_bytes(&missing), (0, 0));
     }
 
     /// A gathered packed table's columns, whole groups or not, and its
