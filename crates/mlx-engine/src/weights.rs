@@ -113,7 +113,7 @@ impl MemoryMode {
     /// machine ([`mlx_support::memory_limit`]): the engine's default. The
     /// tables' size is read from the files' headers.
     pub fn for_model_dir(dir: &Path) -> MemoryMode {
-        let (weights, tables) = weight_bytes(dir);
+        let (weights, tables) = weight_and_table_bytes(dir);
         MemoryMode::for_model(weights, tables, mlx_support::memory_limit())
     }
 
@@ -125,7 +125,7 @@ impl MemoryMode {
 
 /// The size of the `.safetensors` files in `dir`, and of the embedding
 /// tables' tensors in them (0 where unreadable: the load reports that).
-fn weight_bytes(dir: &Path) -> (u64, u64) {
+fn weight_and_table_bytes(dir: &Path) -> (u64, u64) {
     let weights = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -821,9 +821,9 @@ mod tests {
         )
         .unwrap();
         let file = std::fs::metadata(dir.path().join("model.safetensors")).unwrap();
-        assert_eq!(weight_bytes(dir.path()), (file.len(), 64 * 8 * 4));
+        assert_eq!(weight_and_table_bytes(dir.path()), (file.len(), 64 * 8 * 4));
         let missing = dir.path().join("missing");
-        assert_eq!(weight_bytes(&missing), (0, 0));
+        assert_eq!(weight_and_table_bytes(&missing), (0, 0));
     }
 
     /// A gathered packed table's columns, whole groups or not, and its
