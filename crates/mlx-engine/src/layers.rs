@@ -22,7 +22,8 @@ use st_mmap::{BlockPrefix, SafetensorsSet};
 
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::weights::{MemoryMode, QuantizedWeights, Weights};
+use crate::memory_mode::MemoryMode;
+use crate::weights::{QuantizedWeights, Weights};
 
 /// Builds layer `i` from the weights.
 type LoadLayer<L> = Box<dyn Fn(&Weights<'_>, usize) -> Result<L> + Send + Sync>;

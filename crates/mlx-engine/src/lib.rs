@@ -125,6 +125,7 @@ mod lanes;
 mod layers;
 mod llama;
 mod mapped;
+mod memory_mode;
 mod mlp;
 mod model;
 mod options;

@@ -16,7 +16,8 @@ use crate::gemma::{Gemma, KeyPrefixes};
 use crate::llama::Llama;
 use crate::weights::Weights;
 
-pub use crate::weights::{MemoryMode, QuantizedWeights};
+pub use crate::memory_mode::MemoryMode;
+pub use crate::weights::QuantizedWeights;
 
 enum Decoder {
     Llama(Llama),
