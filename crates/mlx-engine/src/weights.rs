@@ -191,8 +191,7 @@ impl Weights<'_> {
             QuantizedWeights::Keep | QuantizedWeights::DequantizeOnUse => Ok(Linear {
                 weight,
                 bias,
-                packed: Some(packed),
-                panels: false,
+                layout: Layout::Packed(packed),
             }),
         }
     }
@@ -218,8 +217,11 @@ impl Weights<'_> {
         Ok(Linear {
             weight: laid_out,
             bias,
-            packed: None,
-            panels,
+            layout: if panels {
+                Layout::Panels
+            } else {
+                Layout::Transposed
+            },
         })
     }
 
@@ -351,22 +353,30 @@ impl Packed {
 
 /// A linear layer, `x @ Wᵀ + b`, dense or quantized.
 pub(crate) struct Linear {
-    /// Dense: `Wᵀ`, `(in, out)`, or in panels (`panels`). Packed: as
-    /// stored, `(out, in / pack)`.
+    /// Laid out as `layout` says.
     weight: Array,
     bias: Option<Array>,
-    packed: Option<Packed>,
-    /// Dense and held in [`few_rows`] panels, `(out / PANEL, in, PANEL)`.
-    panels: bool,
+    layout: Layout,
+}
+
+/// How a [`Linear`] holds its weight.
+enum Layout {
+    /// Dense, `Wᵀ` `(in, out)`, multiplied by MLX.
+    Transposed,
+    /// Dense, in [`few_rows`] panels `(out / PANEL, in, PANEL)`, multiplied
+    /// by its kernel.
+    Panels,
+    /// Packed as stored, `(out, in / pack)`.
+    Packed(Packed),
 }
 
 impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let y = match &self.packed {
-            Some(p) if p.dequantize_on_use => p.product_in_slices(x, &self.weight)?,
-            Some(p) => p.quantized_matmul(x, &self.weight)?,
-            None if self.panels => few_rows::product(x, &self.weight)?,
-            None => x.matmul(&self.weight)?,
+        let y = match &self.layout {
+            Layout::Packed(p) if p.dequantize_on_use => p.product_in_slices(x, &self.weight)?,
+            Layout::Packed(p) => p.quantized_matmul(x, &self.weight)?,
+            Layout::Panels => few_rows::product(x, &self.weight)?,
+            Layout::Transposed => x.matmul(&self.weight)?,
         };
         Ok(match &self.bias {
             Some(b) => y.add(b)?,
@@ -380,12 +390,11 @@ impl Linear {
     /// those rows of the weight.
     pub(crate) fn forward_outputs(&self, x: &Array, outputs: Range<usize>) -> Result<Array> {
         let r = outputs.start as i32..outputs.end as i32;
-        if self.panels {
-            return self.panel_outputs(x, outputs);
-        }
-        let y = match &self.packed {
-            Some(p) if p.dequantize_on_use => p.product_with_rows(x, &self.weight, outputs)?,
-            Some(p) => quantized_matmul(
+        let y = match &self.layout {
+            Layout::Packed(p) if p.dequantize_on_use => {
+                p.product_with_rows(x, &self.weight, outputs)?
+            }
+            Layout::Packed(p) => quantized_matmul(
                 x,
                 self.weight.index(r.clone()),
                 p.scales.index(r.clone()),
@@ -394,7 +403,8 @@ impl Linear {
                 p.q.group_size,
                 p.q.bits,
             )?,
-            None => x.matmul(self.weight.index((.., r.clone())))?,
+            Layout::Panels => self.panel_outputs(x, outputs)?,
+            Layout::Transposed => x.matmul(self.weight.index((.., r.clone())))?,
         };
         Ok(match &self.bias {
             Some(b) => y.add(b.index(r))?,
@@ -402,33 +412,27 @@ impl Linear {
         })
     }
 
-    /// [`forward_outputs`](Self::forward_outputs) of a layer held in
-    /// panels: the panels that hold `outputs` when they start and end on
-    /// a panel's edge, else the whole product's columns.
+    /// The product's `outputs` for a weight held in panels: from the panels
+    /// that hold them when they start and end on a panel's edge, else the
+    /// whole product's columns.
     fn panel_outputs(&self, x: &Array, outputs: Range<usize>) -> Result<Array> {
-        let r = outputs.start as i32..outputs.end as i32;
         let aligned = outputs.start.is_multiple_of(few_rows::PANEL)
             && outputs.end.is_multiple_of(few_rows::PANEL);
-        let y = if aligned {
+        if aligned {
             let panels = self.weight.index(
                 (outputs.start / few_rows::PANEL) as i32..(outputs.end / few_rows::PANEL) as i32,
             );
-            few_rows::product(x, &panels)?
-        } else {
-            x.matmul(few_rows::transposed(&self.weight)?.index((.., r.clone())))?
-        };
-        Ok(match &self.bias {
-            Some(b) => y.add(b.index(r))?,
-            None => y,
-        })
+            return few_rows::product(x, &panels);
+        }
+        let r = outputs.start as i32..outputs.end as i32;
+        Ok(x.matmul(few_rows::transposed(&self.weight)?.index((.., r)))?)
     }
 
     /// The packed weight, when it is unpacked before each product and the
     /// layer has no bias: what [`crate::mlp`] slices.
     pub(crate) fn unpacked_on_use(&self) -> Option<OnUse<'_>> {
-        let packed = self.packed.as_ref().filter(|p| p.dequantize_on_use);
-        match (packed, &self.bias) {
-            (Some(packed), None) => Some(OnUse {
+        match (&self.layout, &self.bias) {
+            (Layout::Packed(packed), None) if packed.dequantize_on_use => Some(OnUse {
                 weight: &self.weight,
                 packed,
             }),
@@ -447,13 +451,12 @@ impl Linear {
         Linear {
             weight,
             bias: None,
-            packed: Some(Packed {
+            layout: Layout::Packed(Packed {
                 scales,
                 biases,
                 q,
                 dequantize_on_use: true,
             }),
-            panels: false,
         }
     }
 }
