@@ -318,6 +318,11 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         special_tokens: config.special_tokens,
     };
     let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
+    // What the load freed (the tokenizer file's parse, transient copies,
+    // the prefix's forward) would otherwise stay resident between
+    // requests; the first chunk faults in what it needs again, once.
+    let released = mlx_support::release_free_memory();
+    tracing::debug!(released, "free memory handed back after the load");
     Ok(Worker {
         model,
         tokenizer,

@@ -58,7 +58,9 @@ pub use device::{
 };
 pub use error::{Error, Result};
 pub use lora::{fuse_lora, fused_dense, LinearWeights, Lora, LoraLayout};
-pub use memory::{evict_from_page_cache, memory_limit, retain_freed_memory, ProcessMemory};
+pub use memory::{
+    evict_from_page_cache, memory_limit, release_free_memory, retain_freed_memory, ProcessMemory,
+};
 pub use quant::{Quantization, QuantizationConfig};
 
 /// Compiles the README's example with the doc-tests, so that it stays true.
