@@ -115,10 +115,15 @@ fn child(
         .unwrap()
         .stats;
     // Where the peak comes from: the process before the engine, after the
-    // load, and the load's own peak.
+    // load, and the load's own peak; and MLX's own peak of live buffers,
+    // which the C heap's layout does not move (peak RSS varies by a few MB
+    // between runs of the same configuration).
     let kib = |b: Option<u64>| b.unwrap_or(0) / 1024;
+    let mlx_peak = mlx_rs::memory::peak_memory()
+        .ok()
+        .and_then(|b| u64::try_from(b).ok());
     println!(
-        "{} {} {} {} {} {} {} {}",
+        "{} {} {} {} {} {} {} {} {}",
         s.seconds,
         s.conversations,
         s.prompt_tokens,
@@ -127,6 +132,7 @@ fn child(
         kib(at_start.rss),
         kib(loaded.rss),
         kib(loaded.peak_rss),
+        kib(mlx_peak),
     );
 }
 
@@ -255,19 +261,20 @@ fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
         .split_whitespace()
         .filter_map(|x| x.parse().ok())
         .collect();
-    // Ours print three more: RSS at the start and after the load, and the
-    // load's peak (KiB).
-    if f.len() != 5 && f.len() != 8 {
+    // Ours print four more: RSS at the start and after the load, the
+    // load's peak, and MLX's peak of live buffers (KiB).
+    if f.len() != 5 && f.len() != 9 {
         println!("{label}: no result ({line:?})");
         return;
     }
     let mb = |kib: f64| kib * 1024.0 / 1e6;
-    let breakdown = match f.get(5..8) {
-        Some(&[start, loaded, load_peak]) => format!(
-            " (at start {:.0} MB, loaded {:.0} MB, load's peak {:.0} MB)",
+    let breakdown = match f.get(5..9) {
+        Some(&[start, loaded, load_peak, mlx_peak]) => format!(
+            " (at start {:.0} MB, loaded {:.0} MB, load's peak {:.0} MB, MLX's buffers at most {:.1} MB)",
             mb(start),
             mb(loaded),
-            mb(load_peak)
+            mb(load_peak),
+            mb(mlx_peak)
         ),
         _ => String::new(),
     };
