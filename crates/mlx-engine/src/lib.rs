@@ -87,7 +87,10 @@
 //! at start-up spares MLX's CPU work re-faulting memory it frees (about a
 //! fifth faster classification in the project's benchmark, same peak RSS).
 //! It changes the whole process's allocator, so the engine leaves that
-//! choice to the application.
+//! choice to the application. What the engine does by itself, once its
+//! load is done, is hand the memory the load freed back to the OS
+//! ([`mlx_support::release_free_memory`]), so that an idle engine holds
+//! its weights and caches, not the load's leftovers.
 //!
 //! On the CPU, an engine runs two chunks of a call side by side by default
 //! ([`EngineConfig::lanes`], [`default_lanes`]), each on its own thread
