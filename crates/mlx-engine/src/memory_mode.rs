@@ -78,24 +78,21 @@ impl MemoryMode {
     }
 }
 
-/// The size of the `.safetensors` files in `dir`, and of the embedding
-/// tables' tensors in them (0 where unreadable: the load reports that).
+/// The size of the model's weight files in `dir`, and of the embedding
+/// tables' tensors in them, both from the folder's safetensors set (the
+/// files its index names, else every `.safetensors` file); (0, 0) where
+/// the set does not open: the load reports why.
 fn weight_and_table_bytes(dir: &Path) -> (u64, u64) {
-    let weights = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
+    let Ok(set) = SafetensorsSet::open_dir(dir) else {
+        return (0, 0);
+    };
+    let weights = set.files().iter().map(|f| f.bytes().len() as u64).sum();
+    let tables = set
+        .keys()
+        .filter(|key| is_table_key(key))
+        .filter_map(|key| set.tensor(key))
+        .map(|t| t.data.len() as u64)
         .sum();
-    let tables = SafetensorsSet::open_dir(dir).map_or(0, |set| {
-        set.keys()
-            .filter(|key| is_table_key(key))
-            .filter_map(|key| set.tensor(key))
-            .map(|t| t.data.len() as u64)
-            .sum()
-    });
     (weights, tables)
 }
 
