@@ -31,10 +31,50 @@ pub const WINDOW: i32 = 512;
 /// E2B's vocabulary (the engine benchmark's); tests use a small one.
 pub const E2B_VOCAB: i32 = 262_144;
 
+/// How many layers, which of them share keys and values, which attend
+/// to everything. E2B's is [`Depth::E2B`]; a test may take fewer layers
+/// as long as every kind stays: sliding and full layers that own their
+/// keys and values, and KV-shared ones of both kinds (the double-wide MLP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Depth {
+    pub layers: i32,
+    /// The last `shared` layers reuse an earlier layer's keys and values.
+    pub shared: i32,
+    /// Every `full_every`-th layer attends to the whole context.
+    pub full_every: i32,
+}
+
+impl Depth {
+    /// Gemma 4 E2B: 35 layers, every fifth full, the last 20 KV-shared.
+    pub const E2B: Depth = Depth {
+        layers: LAYERS,
+        shared: SHARED_LAYERS,
+        full_every: 5,
+    };
+    /// Four layers with every kind E2B has: sliding, full, then a
+    /// KV-shared sliding and a KV-shared full layer.
+    pub const EVERY_KIND: Depth = Depth {
+        layers: 4,
+        shared: 2,
+        full_every: 2,
+    };
+
+    /// Whether layer `i` is a full-attention layer.
+    pub fn is_full(&self, i: i32) -> bool {
+        (i + 1) % self.full_every == 0
+    }
+
+    /// The first KV-shared layer.
+    pub fn first_shared(&self) -> i32 {
+        self.layers - self.shared
+    }
+}
+
 /// What to write.
 #[derive(Debug, Clone)]
 pub struct E2bBase {
     pub vocab: i32,
+    pub depth: Depth,
     /// The unused k/v/k_norm weights of KV-shared layers (0.31.3-era).
     pub legacy_kv: bool,
     /// Layers per weights shard (the embeddings get a shard of their own).
@@ -49,6 +89,7 @@ impl Default for E2bBase {
     fn default() -> Self {
         E2bBase {
             vocab: 512,
+            depth: Depth::E2B,
             legacy_kv: true,
             layers_per_shard: 12,
             seed: 2026,
@@ -57,9 +98,9 @@ impl Default for E2bBase {
     }
 }
 
-/// Whether layer `i` is a full-attention layer (every fifth).
+/// Whether layer `i` of E2B is a full-attention layer (every fifth).
 pub fn is_full(i: i32) -> bool {
-    (i + 1) % 5 == 0
+    Depth::E2B.is_full(i)
 }
 
 const PREFIX: &str = "language_model.model.";
@@ -95,13 +136,18 @@ pub enum VectorKind {
 /// the k/v projections and k norm (KV-shared layers have none, except in
 /// 0.31.3-era checkpoints). KV-shared layers have the double-wide MLP.
 pub fn layer_tensors(i: i32, kv: bool) -> Vec<LayerTensor> {
+    layer_tensors_of(Depth::E2B, i, kv)
+}
+
+/// [`layer_tensors`] for a model of `depth`.
+pub fn layer_tensors_of(depth: Depth, i: i32, kv: bool) -> Vec<LayerTensor> {
     let p = format!("layers.{i}");
-    let hd = if is_full(i) {
+    let hd = if depth.is_full(i) {
         GLOBAL_HEAD_DIM
     } else {
         HEAD_DIM
     };
-    let inter = if i >= LAYERS - SHARED_LAYERS {
+    let inter = if i >= depth.first_shared() {
         2 * INTERMEDIATE
     } else {
         INTERMEDIATE
@@ -174,10 +220,10 @@ fn plan(module: &str) -> Option<Option<(i32, i32)>> {
     None
 }
 
-fn quantization() -> serde_json::Value {
+fn quantization(depth: Depth) -> serde_json::Value {
     let mut q = json!({"group_size": 64, "bits": 4, "mode": "affine"});
     let mut modules = vec!["per_layer_model_projection".to_owned()];
-    for i in 0..LAYERS {
+    for i in 0..depth.layers {
         for m in [
             "mlp.down_proj",
             "self_attn.o_proj",
@@ -200,9 +246,10 @@ fn quantization() -> serde_json::Value {
 
 /// The checkpoint's `config.json` (mlx_lm's `gemma4` with `text_config`).
 pub fn config(base: &E2bBase) -> serde_json::Value {
-    let types: Vec<&str> = (0..LAYERS)
+    let depth = base.depth;
+    let types: Vec<&str> = (0..depth.layers)
         .map(|i| {
-            if is_full(i) {
+            if depth.is_full(i) {
                 "full_attention"
             } else {
                 "sliding_attention"
@@ -213,11 +260,11 @@ pub fn config(base: &E2bBase) -> serde_json::Value {
         "model_type": "gemma4",
         "vocab_size": base.vocab,
         "text_config": {
-            "model_type": "gemma4_text", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+            "model_type": "gemma4_text", "hidden_size": HIDDEN, "num_hidden_layers": depth.layers,
             "intermediate_size": INTERMEDIATE, "num_attention_heads": HEADS,
             "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "global_head_dim": GLOBAL_HEAD_DIM,
             "rms_norm_eps": 1e-6, "vocab_size": base.vocab, "vocab_size_per_layer_input": base.vocab,
-            "num_kv_shared_layers": SHARED_LAYERS, "hidden_size_per_layer_input": PER_LAYER,
+            "num_kv_shared_layers": depth.shared, "hidden_size_per_layer_input": PER_LAYER,
             "sliding_window": WINDOW, "layer_types": types,
             "rope_parameters": {
                 "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0, "rope_type": "proportional"},
@@ -229,7 +276,7 @@ pub fn config(base: &E2bBase) -> serde_json::Value {
         },
         "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16},
         "audio_config": {"model_type": "gemma4_audio", "hidden_size": 16},
-        "quantization": quantization(),
+        "quantization": quantization(depth),
         "eos_token_id": [1, 106],
         "tie_word_embeddings": true
     })
@@ -325,7 +372,8 @@ impl Shard {
 pub fn write(dir: &Path, base: &E2bBase) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), config(base).to_string()).unwrap();
-    let shards = 1 + (LAYERS + base.layers_per_shard - 1) / base.layers_per_shard;
+    let depth = base.depth;
+    let shards = 1 + (depth.layers + base.layers_per_shard - 1) / base.layers_per_shard;
     let name = |k: i32| format!("model-{:05}-of-{:05}.safetensors", k + 1, shards);
     let mut weight_map = serde_json::Map::new();
     let mut record = |keys: Vec<String>, file: String| {
@@ -343,12 +391,12 @@ pub fn write(dir: &Path, base: &E2bBase) {
     s.matrix(
         "embed_tokens_per_layer",
         base.vocab,
-        LAYERS * PER_LAYER,
+        depth.layers * PER_LAYER,
         0.03,
     );
     s.matrix(
         "per_layer_model_projection",
-        LAYERS * PER_LAYER,
+        depth.layers * PER_LAYER,
         HIDDEN,
         0.02,
     );
@@ -366,7 +414,7 @@ pub fn write(dir: &Path, base: &E2bBase) {
     let seed = s.seed;
     record(s.save(&dir.join(name(0))), name(0));
 
-    let first_shared = LAYERS - SHARED_LAYERS;
+    let first_shared = depth.first_shared();
     for shard in 0..shards - 1 {
         let mut s = Shard {
             tensors: Vec::new(),
@@ -374,9 +422,9 @@ pub fn write(dir: &Path, base: &E2bBase) {
             dtype: base.dtype,
         };
         let layers =
-            shard * base.layers_per_shard..((shard + 1) * base.layers_per_shard).min(LAYERS);
+            shard * base.layers_per_shard..((shard + 1) * base.layers_per_shard).min(depth.layers);
         for i in layers {
-            for tensor in layer_tensors(i, i < first_shared || base.legacy_kv) {
+            for tensor in layer_tensors_of(depth, i, i < first_shared || base.legacy_kv) {
                 match tensor {
                     LayerTensor::Matrix { module, rows, cols } => {
                         s.matrix(&module, rows, cols, 0.02)

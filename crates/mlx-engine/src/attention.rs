@@ -6,8 +6,9 @@
 //! a key/value head are stacked into one matrix (fewer, larger products),
 //! and the shared prefix is read once for the whole batch.
 
-use mlx_rs::ops::{maximum, select};
-use mlx_rs::Array;
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::{broadcast_to, concatenate, maximum, ones, select};
+use mlx_rs::{Array, Dtype};
 
 use crate::cache::LayerMask;
 use crate::error::Result;
@@ -37,6 +38,9 @@ pub(crate) fn attention(
     mask: &LayerMask,
     scale: f32,
 ) -> Result<Array> {
+    if q.dtype() != Dtype::Float32 {
+        return mlx_attention(q, shared, own, mask, scale);
+    }
     let (b, heads, l) = (q.dim(0) as usize, q.dim(1) as usize, q.dim(2) as usize);
     let keys = own.0.dim(2) as usize + shared.map_or(0, |(k, _)| k.dim(1) as usize);
     let per_row = 4 * heads * l * keys;
@@ -48,6 +52,56 @@ pub(crate) fn attention(
         scale,
         rows_within(SCORES_BYTES, per_row, b),
     )
+}
+
+/// [`attention`] in the activations' own reduced precision (bfloat16 or
+/// float16): MLX's attention, called as mlx_lm calls it, on the prefix's
+/// keys and the rows' own side by side. The products above would promote
+/// such activations to f32 (their scale and masking constants are f32):
+/// more exact, but not what mlx_lm computes, and on Apple GPUs MLX's fused
+/// kernel is the fast path for these types anyway. The prefix is copied
+/// per row here, as each of mlx_lm's rows holds its own copy.
+fn mlx_attention(
+    q: &Array,
+    shared: Option<(&Array, &Array)>,
+    own: (&Array, &Array),
+    mask: &LayerMask,
+    scale: f32,
+) -> Result<Array> {
+    let (b, l) = (q.dim(0), q.dim(2));
+    let t = own.0.dim(2);
+    let Some((shared_keys, shared_values)) = shared else {
+        let mask = mask.own.as_ref().map(ScaledDotProductAttentionMask::Array);
+        return Ok(scaled_dot_product_attention(
+            q, own.0, own.1, scale, mask, None,
+        )?);
+    };
+    let p = shared_keys.dim(1);
+    let per_row = |prefix: &Array, rows: &Array| -> Result<Array> {
+        let shape = [b, prefix.dim(0), p, prefix.dim(2)];
+        let prefix = broadcast_to(prefix.expand_dims(0)?, &shape)?;
+        Ok(concatenate(&[prefix, rows.clone()], 2)?)
+    };
+    let keys = per_row(shared_keys, own.0)?;
+    let values = per_row(shared_values, own.1)?;
+    let combined = match (&mask.shared, &mask.own) {
+        (None, None) => None,
+        (shared_mask, own_mask) => {
+            let shared_mask = match shared_mask {
+                Some(m) => m.expand_dims(1)?,
+                None => ones::<bool>(&[b, 1, l, p])?,
+            };
+            let own_mask = match own_mask {
+                Some(m) => broadcast_to(m, &[b, 1, l, t])?,
+                None => ones::<bool>(&[b, 1, l, t])?,
+            };
+            Some(concatenate(&[shared_mask, own_mask], 3)?)
+        }
+    };
+    let mask = combined.as_ref().map(ScaledDotProductAttentionMask::Array);
+    Ok(scaled_dot_product_attention(
+        q, &keys, &values, scale, mask, None,
+    )?)
 }
 
 /// [`attention`] `rows` rows at a time.

@@ -11,7 +11,7 @@
 //! each layer's output and a tanh softcap on the logits.
 
 use mlx_rs::fast;
-use mlx_rs::ops::{clip, tanh};
+use mlx_rs::ops::{clip, power, tanh};
 use mlx_rs::{Array, Dtype};
 
 use crate::attention::attention;
@@ -618,15 +618,17 @@ fn gelu_mul(gate: &Array, up: &Array) -> Result<Array> {
     Ok(gelu_tanh(gate)?.multiply(up)?)
 }
 
-/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, MLX's `gelu_approx`.
+/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, MLX's `gelu_approx`,
+/// operation for operation: in bfloat16 each step rounds, so the cube is
+/// MLX's `power` (one rounding), not two products.
 fn gelu_tanh(x: &Array) -> Result<Array> {
     let dtype = x.dtype();
     let c = |v: f64| scalar(v, dtype);
-    let cubed = x.multiply(x)?.multiply(x)?;
+    let cubed = power(x, c(3.0)?)?;
     let inner = x
-        .add(cubed.multiply(c(0.044715)?)?)?
+        .add(c(0.044715)?.multiply(cubed)?)?
         .multiply(c((2.0 / std::f64::consts::PI).sqrt())?)?;
-    Ok(x.multiply(c(0.5)?)?.multiply(tanh(&inner)?.add(c(1.0)?)?)?)
+    Ok(c(0.5)?.multiply(x)?.multiply(c(1.0)?.add(tanh(&inner)?)?)?)
 }
 
 /// `x + y`; Gemma 3 in float16 sums in f32 and clips to float16's range,
