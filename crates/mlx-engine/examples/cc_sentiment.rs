@@ -16,6 +16,8 @@
 //! the real base, `unsloth/gemma-4-E2B-it-UD-MLX-4bit`) or a local model
 //! folder. Each input line is `{"text": "..."}`; each output line is
 //! `{"index": N, "label": "1".."5"}`, and the throughput goes to stderr.
+//! `--as-original` gives the Python original's labels (docs/mlx-engine.md,
+//! "Same answers as the original").
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -25,7 +27,8 @@ use adapter_fuse::FuseOptions;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use mlx_engine::{
-    EngineConfig, GenerateOptions, LogitsProcessor, MemoryMode, Message, MlxEngine, Tokenizer,
+    EngineConfig, GenerateOptions, LogitsProcessor, MemoryMode, Message, MlxEngine, PrefixCache,
+    QuantizedWeights, Tokenizer,
 };
 use mlx_rs::error::Exception;
 use mlx_rs::ops::select;
@@ -56,6 +59,11 @@ struct Args {
     /// Conversations per batch (cc-sentiment uses 2).
     #[arg(long, default_value_t = 2)]
     batch_size: usize,
+    /// Answer as the Python original does: its prefix cache (the prefix
+    /// and the token generated after it) and mlx_lm's arithmetic (packed
+    /// weights, the checkpoint's bfloat16; slow on the CPU backend).
+    #[arg(long)]
+    as_original: bool,
 }
 
 /// The user message cc-sentiment builds for one text.
@@ -152,14 +160,18 @@ fn main() -> Result<()> {
         MemoryMode::for_model_dir(&fused),
     ));
     let system = Message::new("system", system);
-    let engine = MlxEngine::new(
-        EngineConfig::new(&fused)
-            .prefix_messages(vec![system.clone()])
-            .batch_size(args.batch_size)
-            .logits_processor(Box::new(|tokenizer: &Tokenizer| {
-                Box::new(Labels::new(tokenizer)) as Box<dyn LogitsProcessor>
-            })),
-    )?;
+    let mut config = EngineConfig::new(&fused)
+        .prefix_messages(vec![system.clone()])
+        .batch_size(args.batch_size)
+        .logits_processor(Box::new(|tokenizer: &Tokenizer| {
+            Box::new(Labels::new(tokenizer)) as Box<dyn LogitsProcessor>
+        }));
+    if args.as_original {
+        config = config
+            .prefix_cache(PrefixCache::WithGeneratedToken)
+            .quantized(QuantizedWeights::Keep);
+    }
+    let engine = MlxEngine::new(config)?;
     engine.ensure_loaded()?;
     let conversations = texts
         .iter()

@@ -316,6 +316,7 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
             .unwrap_or_else(|| crate::lanes::default_lanes(device, memory)),
         max_prompt_tokens,
         special_tokens: config.special_tokens,
+        prefix_cache: config.prefix_cache,
     };
     let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
     // What the load freed (the tokenizer file's parse, transient copies,

@@ -10,7 +10,7 @@ use crate::cache::KvCache;
 use crate::error::EngineError;
 use crate::lanes::{self, Coordinator};
 use crate::model::Model;
-use crate::options::{GenerateOptions, LogitsProcessor, SpecialTokens};
+use crate::options::{GenerateOptions, LogitsProcessor, PrefixCache, SpecialTokens};
 use crate::tokenizer::{Message, Tokenizer};
 
 /// Prompts are prefilled at most this many positions at a time, so that the
@@ -40,6 +40,7 @@ pub(crate) struct GenSettings {
     pub lanes: usize,
     pub max_prompt_tokens: usize,
     pub special_tokens: SpecialTokens,
+    pub prefix_cache: PrefixCache,
 }
 
 impl GenState {
@@ -51,11 +52,12 @@ impl GenState {
     ) -> crate::Result<GenState> {
         let GenSettings {
             prefix_messages,
-            processor,
+            mut processor,
             batch_size,
             lanes,
             max_prompt_tokens,
             special_tokens,
+            prefix_cache: what_to_cache,
         } = settings;
         let prefix_tokens = if prefix_messages.is_empty() {
             Vec::new()
@@ -72,10 +74,16 @@ impl GenState {
         if !prefix_tokens.is_empty() {
             let _span =
                 tracing::info_span!("prefix_prefill", tokens = prefix_tokens.len()).entered();
-            prefill_into(model, &mut prefix_cache, &[&prefix_tokens])?;
+            let last = prefill_into(model, &mut prefix_cache, &[&prefix_tokens])?;
             // Held as every fork reads it and computed now: once, and
             // before lanes read it (see `lanes`).
             prefix_cache = prefix_cache.fork(1)?;
+            if what_to_cache == PrefixCache::WithGeneratedToken {
+                let next = pick_tokens(processor.as_deref_mut(), &model.head(&last)?)?;
+                tracing::debug!(token = next[0], "the prefix's cache holds its generated token");
+                prefill_into(model, &mut prefix_cache, &[&[next[0] as u32]])?;
+                prefix_cache = prefix_cache.fork(1)?;
+            }
             prefix_cache.eval()?;
         }
         Ok(GenState {

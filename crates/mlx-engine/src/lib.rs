@@ -153,8 +153,8 @@ pub use lanes::{default_lanes, share_blas_threads};
 pub use mlx_support::{Quantization, QuantizationConfig};
 pub use model::{MemoryMode, Model, QuantizedWeights};
 pub use options::{
-    EngineConfig, GenerateOptions, LogitsProcessor, LogitsProcessorFactory, SpecialTokens,
-    DEFAULT_MAX_PROMPT_TOKENS,
+    EngineConfig, GenerateOptions, LogitsProcessor, LogitsProcessorFactory, PrefixCache,
+    SpecialTokens, DEFAULT_MAX_PROMPT_TOKENS,
 };
 pub use tokenizer::{Message, Tokenizer};
 

@@ -40,6 +40,30 @@ pub enum SpecialTokens {
     Honor,
 }
 
+/// What the shared prefix's cache holds: which positions every
+/// conversation attends to before its own turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PrefixCache {
+    /// The prefix messages' tokens, nothing else (the default): each
+    /// conversation reads exactly its own prompt, as mlx_lm's
+    /// `batch_generate` over the whole prompt would.
+    #[default]
+    Clean,
+    /// The prefix's tokens, then the token generated after them (greedy,
+    /// under the logits processor): what spawnllm's `MlxEngine` caches. It
+    /// builds its shared cache with mlx_lm's `batch_generate([prefix],
+    /// max_tokens=1, return_prompt_caches=True)`, whose cache also holds
+    /// the token it generated, so every conversation it answers attends to
+    /// that token between the prefix and its own turn (its positions move
+    /// by one too). Choose this to give the same answers as the Python
+    /// original on the same model (with [`QuantizedWeights::Keep`] on the
+    /// CPU, so that the arithmetic is mlx_lm's too).
+    ///
+    /// [`QuantizedWeights::Keep`]: crate::QuantizedWeights::Keep
+    WithGeneratedToken,
+}
+
 /// How to start an engine: [`EngineConfig::new`] with the model folder,
 /// then the options that differ from the defaults.
 ///
@@ -63,6 +87,7 @@ pub struct EngineConfig {
     pub(crate) lora: Vec<block_stream::BlockLoraSource>,
     pub(crate) max_prompt_tokens: Option<usize>,
     pub(crate) special_tokens: SpecialTokens,
+    pub(crate) prefix_cache: PrefixCache,
 }
 
 impl EngineConfig {
@@ -84,12 +109,20 @@ impl EngineConfig {
             lora: Vec::new(),
             max_prompt_tokens: None,
             special_tokens: SpecialTokens::AsText,
+            prefix_cache: PrefixCache::Clean,
         }
     }
 
     /// Messages every conversation starts with; their cache is computed once.
     pub fn prefix_messages(mut self, messages: Vec<Message>) -> EngineConfig {
         self.prefix_messages = messages;
+        self
+    }
+
+    /// What the prefix's cache holds (default [`PrefixCache::Clean`];
+    /// [`PrefixCache::WithGeneratedToken`] answers as spawnllm does).
+    pub fn prefix_cache(mut self, prefix_cache: PrefixCache) -> EngineConfig {
+        self.prefix_cache = prefix_cache;
         self
     }
 
@@ -195,6 +228,7 @@ impl std::fmt::Debug for EngineConfig {
             .field("memory", &self.memory)
             .field("max_prompt_tokens", &self.max_prompt_tokens)
             .field("special_tokens", &self.special_tokens)
+            .field("prefix_cache", &self.prefix_cache)
             .finish_non_exhaustive()
     }
 }

@@ -45,6 +45,8 @@ impl Layout {
 /// the plan says when written.
 pub struct Writer {
     prefix: &'static str,
+    /// Of every floating-point tensor (the packed weights stay uint32).
+    dtype: mlx_rs::Dtype,
     seed: u64,
     weights: Vec<(String, Array)>,
     /// Module path (relative to the text prefix) → `(group, bits)`, or
@@ -63,6 +65,11 @@ impl Writer {
     }
 
     fn put(&mut self, key: &str, a: Array) {
+        let a = if a.dtype() == mlx_rs::Dtype::Float32 {
+            a.as_dtype(self.dtype).unwrap()
+        } else {
+            a
+        };
         self.weights.push((format!("{}{key}", self.prefix), a));
     }
 
@@ -122,6 +129,13 @@ pub const SHARED_LAYERS: usize = 2;
 /// A Gemma 4 checkpoint in `layout`; `quantized`: mixed 4/8-bit with
 /// modules left in f32.
 pub fn write_gemma4(dir: &Path, layout: Layout, quantized: bool) {
+    write_gemma4_in(dir, layout, quantized, mlx_rs::Dtype::Float32);
+}
+
+/// [`write_gemma4`] with every floating-point tensor in `dtype` (bfloat16:
+/// scales, biases, norms and unquantized modules as published Gemma 4
+/// checkpoints have them).
+pub fn write_gemma4_in(dir: &Path, layout: Layout, quantized: bool, dtype: mlx_rs::Dtype) {
     std::fs::create_dir_all(dir).unwrap();
     let text = json!({
         "model_type": "gemma4_text", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
@@ -139,6 +153,7 @@ pub fn write_gemma4(dir: &Path, layout: Layout, quantized: bool) {
     });
     let mut w = Writer {
         prefix: layout.text_prefix(),
+        dtype,
         seed: 400,
         weights: Vec::new(),
         plan: Vec::new(),
@@ -274,6 +289,7 @@ pub fn write_gemma3(dir: &Path, layout: Layout) {
     });
     let mut w = Writer {
         prefix: layout.text_prefix(),
+        dtype: mlx_rs::Dtype::Float32,
         seed: 700,
         weights: Vec::new(),
         plan: Vec::new(),

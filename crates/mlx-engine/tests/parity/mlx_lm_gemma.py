@@ -4,8 +4,11 @@ Usage: mlx_lm_gemma.py MODEL_DIR REQUEST_JSON
 
 REQUEST_JSON: {"prefix": [ids], "suffixes": [[ids], ...], "max_tokens": N,
 "eos": [ids]}, optionally "allowed": [ids] (a logits processor that leaves
-only those tokens, as cc-sentiment's does) and "batch_only": true (skip the
-rows alone). For every row (prefix + suffix), with mlx_lm's own caches
+only those tokens, as cc-sentiment's does), "batch_only": true (skip the
+rows alone) and "spawnllm_prefix": true (the prefix's cache made as
+spawnllm makes it: `batch_generate([prefix], max_tokens=1,
+return_prompt_caches=True)`, which also holds the token generated after
+the prefix, under the processor). For every row (prefix + suffix), with mlx_lm's own caches
 (rotating ones on sliding layers):
 
 - "alone_logits": the last prompt position's logits, the prefix and the
@@ -52,10 +55,6 @@ def main():
     prefix, suffixes = request["prefix"], request["suffixes"]
     max_tokens, eos = request["max_tokens"], request["eos"]
 
-    prefix_cache = make_prompt_cache(model)
-    model(mx.array([prefix]), cache=prefix_cache)
-    mx.eval([c.state for c in prefix_cache])
-
     processors = []
     if request.get("allowed") is not None:
         allowed = mx.array(request["allowed"])
@@ -66,6 +65,21 @@ def main():
             return kept
 
         processors.append(only_allowed)
+
+    if request.get("spawnllm_prefix"):
+        made = batch_generate(
+            model,
+            Ids(eos),
+            [prefix],
+            max_tokens=1,
+            return_prompt_caches=True,
+            logits_processors=processors,
+        )
+        prefix_cache = made.caches[0]
+    else:
+        prefix_cache = make_prompt_cache(model)
+        model(mx.array([prefix]), cache=prefix_cache)
+    mx.eval([c.state for c in prefix_cache])
 
     alone_logits, alone_greedy = [], []
     for suffix in [] if request.get("batch_only") else suffixes:

@@ -1,0 +1,241 @@
+//! Gemma 4 in the checkpoint's own bfloat16 against mlx_lm 0.32.2: what
+//! the published Gemma 4 checkpoints are (bfloat16 scales, biases and
+//! norms), computed with `QuantizedWeights::Keep` (packed weights, MLX's
+//! quantized product), so that the arithmetic is mlx_lm's operation for
+//! operation. Logits at every position of each prompt (whole, after the
+//! shared prefix alone, and in a left-padded batch after it), then the
+//! engine's greedy answers with the clean prefix and with spawnllm's
+//! (`PrefixCache::WithGeneratedToken`), on the tiny Gemma 4 that has every
+//! feature (window 5 against a 270-token prefix, KV-shared layers of both
+//! kinds, per-layer inputs, mixed 4/8-bit).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::tiny_gemma::*;
+use common::{mlx_lm_python, python_with, VOCAB};
+use mlx_engine::{
+    EngineConfig, GenerateOptions, KvCache, LogitsProcessor, MlxEngine, Model, PrefixCache,
+    QuantizedWeights, Tokenizer,
+};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::select;
+use mlx_rs::{Array, Dtype};
+use serde_json::json;
+
+/// What the kept bits allow: none. MLX's products, attention and
+/// element-wise steps are the ones mlx_lm calls, in the same dtype, so
+/// every logit is the same bfloat16 number.
+const TOLERANCE: f32 = 0.0;
+
+fn write_request(dir: &Path, body: serde_json::Value) -> std::path::PathBuf {
+    let request = dir.join("request.json");
+    std::fs::write(&request, body.to_string()).unwrap();
+    request
+}
+
+fn run_python(python: &str, script: &str, dir: &Path, request: &Path) -> serde_json::Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/parity")
+        .join(script);
+    let out = Command::new(python)
+        .arg(&script)
+        .arg(dir)
+        .arg(request)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        reference["version"], "0.32.2",
+        "the reference must be mlx_lm 0.32.2 (cargo xtask test installs it beside the venv)"
+    );
+    reference
+}
+
+/// `(positions, vocab)` logits of row `row` of `(B, L, vocab)`, positions
+/// `from..`.
+fn positions(logits: &Array, row: i32, from: i32) -> Vec<Vec<f32>> {
+    let v = logits
+        .index((row, from.., ..))
+        .as_dtype(Dtype::Float32)
+        .unwrap();
+    v.eval().unwrap();
+    let vocab = v.dim(1) as usize;
+    v.as_slice::<f32>()
+        .chunks(vocab)
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+fn largest_difference(ours: &[Vec<f32>], theirs: &serde_json::Value) -> f32 {
+    let theirs: Vec<Vec<f32>> = serde_json::from_value(theirs.clone()).unwrap();
+    assert_eq!(ours.len(), theirs.len(), "positions");
+    ours.iter()
+        .zip(&theirs)
+        .flat_map(|(a, b)| {
+            assert_eq!(a.len(), b.len(), "vocabulary");
+            a.iter().zip(b).map(|(x, y)| (x - y).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
+    let test = "gemma4_in_bfloat16_equals_mlx_lm_at_every_position";
+    let Some(python) = mlx_lm_python(test) else {
+        return;
+    };
+    for quantized in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let dir = dir.path();
+        write_gemma4_in(dir, Layout::Mlx, quantized, Dtype::Bfloat16);
+        let what = if quantized { "4/8-bit" } else { "dense" };
+        let (prefix, suffixes) = prompt_tokens(dir);
+        let request = write_request(dir, json!({"prefix": prefix, "suffixes": suffixes}));
+        let reference = run_python(&python, "mlx_lm_positions.py", dir, &request);
+        assert_eq!(reference["dtype"], "mlx.core.bfloat16", "{what}");
+        let model = Model::load(dir, QuantizedWeights::Keep).unwrap();
+        let p = prefix.len() as i32;
+
+        let mut shared = KvCache::new();
+        let tokens = ids(&prefix);
+        model
+            .forward(&Array::from_slice(&tokens, &[1, p]), &mut shared)
+            .unwrap();
+        for (row, suffix) in suffixes.iter().enumerate() {
+            let whole = ids(&[prefix.clone(), suffix.clone()].concat());
+            let logits = model
+                .forward(
+                    &Array::from_slice(&whole, &[1, whole.len() as i32]),
+                    &mut KvCache::new(),
+                )
+                .unwrap();
+            let d = largest_difference(&positions(&logits, 0, 0), &reference["whole"][row]);
+            assert!(
+                d <= TOLERANCE,
+                "{what}: row {row}, prefix and suffix in one forward, differs by {d}"
+            );
+            let tokens = ids(suffix);
+            let logits = model
+                .forward(
+                    &Array::from_slice(&tokens, &[1, tokens.len() as i32]),
+                    &mut shared.fork(1).unwrap(),
+                )
+                .unwrap();
+            let d = largest_difference(&positions(&logits, 0, 0), &reference["after_prefix"][row]);
+            assert!(
+                d <= TOLERANCE,
+                "{what}: row {row} after the prefix differs by {d}"
+            );
+        }
+
+        let (block, pads, width) = left_padded(&suffixes);
+        let mut cache = shared.fork(suffixes.len() as i32).unwrap();
+        cache.set_pads(pads.clone()).unwrap();
+        let logits = model
+            .forward(
+                &Array::from_slice(&block, &[suffixes.len() as i32, width as i32]),
+                &mut cache,
+            )
+            .unwrap();
+        for (row, pad) in pads.iter().enumerate() {
+            let d = largest_difference(
+                &positions(&logits, row as i32, *pad),
+                &reference["after_prefix"][row],
+            );
+            assert!(
+                d <= TOLERANCE,
+                "{what}: row {row} of the padded batch differs by {d}"
+            );
+        }
+    }
+}
+
+/// Leaves only `allowed` tokens (as cc-sentiment's label processor does).
+struct Only(Array);
+
+impl LogitsProcessor for Only {
+    fn process(&mut self, logits: &Array) -> Result<Array, mlx_rs::error::Exception> {
+        select(&self.0, logits, Array::from_f32(-1e9))
+    }
+}
+
+/// The engine's answers, one label token each under a processor that
+/// allows five tokens, against mlx_lm's `batch_generate` on copies of the
+/// prefix's cache: made as spawnllm makes it with
+/// `PrefixCache::WithGeneratedToken`, of the prefix alone by default.
+#[test]
+fn the_engine_answers_as_mlx_lm_with_either_prefix_cache() {
+    let test = "the_engine_answers_as_mlx_lm_with_either_prefix_cache";
+    let Some(python) = python_with(test, "mlx_lm") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    write_gemma4_in(dir, Layout::Mlx, true, Dtype::Bfloat16);
+    let tokenizer = Tokenizer::load(dir).unwrap();
+    let allowed_ids: Vec<u32> = (1..=5)
+        .map(|n| *tokenizer.encode(&format!("w{n}")).unwrap().last().unwrap())
+        .collect();
+    let (prefix, suffixes) = prompt_tokens(dir);
+    let mut answers = Vec::new();
+    for (setting, spawnllm) in [
+        (PrefixCache::Clean, false),
+        (PrefixCache::WithGeneratedToken, true),
+    ] {
+        let request = write_request(
+            dir,
+            json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [44],
+                   "allowed": allowed_ids, "batch_only": true, "spawnllm_prefix": spawnllm}),
+        );
+        let reference = run_python(&python, "mlx_lm_gemma.py", dir, &request);
+        let theirs: Vec<String> = reference["batch_greedy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|ids| {
+                let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
+                tokenizer.decode(&ids).unwrap()
+            })
+            .collect();
+        let allowed = allowed_ids.clone();
+        let engine = MlxEngine::new(
+            EngineConfig::new(dir)
+                .prefix_messages(vec![system()])
+                .batch_size(2)
+                .quantized(QuantizedWeights::Keep)
+                .prefix_cache(setting)
+                .logits_processor(move |_: &Tokenizer| {
+                    let mut mask = vec![false; VOCAB as usize];
+                    for id in allowed {
+                        mask[id as usize] = true;
+                    }
+                    Box::new(Only(Array::from_slice(&mask, &[VOCAB]))) as Box<dyn LogitsProcessor>
+                }),
+        )
+        .unwrap();
+        let ours = engine
+            .generate(conversations(), GenerateOptions::new().max_tokens(1))
+            .unwrap()
+            .texts;
+        assert_eq!(ours, theirs, "{setting:?}: ours vs mlx_lm");
+        answers.push(ours);
+    }
+    let moved = answers[0]
+        .iter()
+        .zip(&answers[1])
+        .filter(|(a, b)| a != b)
+        .count();
+    eprintln!(
+        "{moved} of {} answers change with the generated token in the prefix's cache",
+        answers[0].len()
+    );
+}

@@ -1,0 +1,61 @@
+"""Logits at every position under mlx_lm 0.32.2, for the engine's parity
+tests in the checkpoint's own dtype.
+
+Usage: mlx_lm_positions.py MODEL_DIR REQUEST_JSON
+
+REQUEST_JSON: {"prefix": [ids], "suffixes": [[ids], ...]}. For every row,
+with mlx_lm's own caches (rotating ones on sliding layers):
+
+- "whole": the logits of every position of prefix + suffix, one forward;
+- "after_prefix": the logits of every suffix position, the suffix run on a
+  deep copy of the prefix's prompt cache.
+
+Prints {"version": ..., "dtype": ..., "whole": [[[...]]], "after_prefix":
+[[[...]]]} as JSON (float32 values of the model's logits). mlx_lm 0.32.2
+comes from `<venv>/mlx-lm-0.32.2` when `cargo xtask test` put it there.
+"""
+import copy
+import json
+import sys
+from pathlib import Path
+
+newer = Path(sys.prefix) / "mlx-lm-0.32.2"
+if newer.is_dir():
+    sys.path.insert(0, str(newer))
+
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.utils import load_model  # noqa: E402
+
+
+def main():
+    model, _ = load_model(Path(sys.argv[1]))
+    request = json.loads(Path(sys.argv[2]).read_text())
+    prefix, suffixes = request["prefix"], request["suffixes"]
+
+    prefix_cache = make_prompt_cache(model)
+    model(mx.array([prefix]), cache=prefix_cache)
+    mx.eval([c.state for c in prefix_cache])
+
+    whole, after_prefix, dtype = [], [], None
+    for suffix in suffixes:
+        logits = model(mx.array([prefix + suffix]), cache=make_prompt_cache(model))[0]
+        dtype = str(logits.dtype)
+        whole.append(logits.astype(mx.float32).tolist())
+        cache = copy.deepcopy(prefix_cache)
+        logits = model(mx.array([suffix]), cache=cache)[0]
+        after_prefix.append(logits.astype(mx.float32).tolist())
+    print(
+        json.dumps(
+            {
+                "version": mlx_lm.__version__,
+                "dtype": dtype,
+                "whole": whole,
+                "after_prefix": after_prefix,
+            }
+        )
+    )
+
+
+main()
