@@ -80,7 +80,10 @@ impl GenState {
             prefix_cache = prefix_cache.fork(1)?;
             if what_to_cache == PrefixCache::WithGeneratedToken {
                 let next = pick_tokens(processor.as_deref_mut(), &model.head(&last)?)?;
-                tracing::debug!(token = next[0], "the prefix's cache holds its generated token");
+                tracing::debug!(
+                    token = next[0],
+                    "the prefix's cache holds its generated token"
+                );
                 prefill_into(model, &mut prefix_cache, &[&[next[0] as u32]])?;
                 prefix_cache = prefix_cache.fork(1)?;
             }

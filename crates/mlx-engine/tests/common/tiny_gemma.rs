@@ -136,12 +136,25 @@ pub fn write_gemma4(dir: &Path, layout: Layout, quantized: bool) {
 /// scales, biases, norms and unquantized modules as published Gemma 4
 /// checkpoints have them).
 pub fn write_gemma4_in(dir: &Path, layout: Layout, quantized: bool, dtype: mlx_rs::Dtype) {
+    write_gemma4_with(dir, layout, quantized, dtype, VOCAB);
+}
+
+/// [`write_gemma4_in`] with a vocabulary of `vocab` entries (the test's
+/// word-level tokenizer is written all the same: one of another size
+/// replaces it).
+pub fn write_gemma4_with(
+    dir: &Path,
+    layout: Layout,
+    quantized: bool,
+    dtype: mlx_rs::Dtype,
+    vocab: i32,
+) {
     std::fs::create_dir_all(dir).unwrap();
     let text = json!({
         "model_type": "gemma4_text", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
         "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM, "global_head_dim": GLOBAL_HEAD_DIM, "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB,
+        "vocab_size": vocab, "vocab_size_per_layer_input": vocab,
         "num_kv_shared_layers": SHARED_LAYERS, "hidden_size_per_layer_input": PER_LAYER,
         "sliding_window": WINDOW, "layer_types": layer_types(),
         "rope_parameters": {
@@ -175,8 +188,8 @@ pub fn write_gemma4_in(dir: &Path, layout: Layout, quantized: bool, dtype: mlx_r
         }
     }
     let n = LAYERS as i32;
-    w.matrix("embed_tokens", &[VOCAB, HIDDEN], 0.5);
-    w.matrix("embed_tokens_per_layer", &[VOCAB, n * PER_LAYER], 0.5);
+    w.matrix("embed_tokens", &[vocab, HIDDEN], 0.5);
+    w.matrix("embed_tokens_per_layer", &[vocab, n * PER_LAYER], 0.5);
     w.matrix("per_layer_model_projection", &[n * PER_LAYER, HIDDEN], 0.2);
     w.random("per_layer_projection_norm.weight", &[PER_LAYER], 0.1, 1.0);
     w.random("norm.weight", &[HIDDEN], 0.1, 1.0);
@@ -253,7 +266,7 @@ pub fn write_gemma4_in(dir: &Path, layout: Layout, quantized: bool, dtype: mlx_r
             c
         }
         Layout::Mlx | Layout::HuggingFace => json!({
-            "model_type": "gemma4", "text_config": text, "vocab_size": VOCAB,
+            "model_type": "gemma4", "text_config": text, "vocab_size": vocab,
             "vision_config": {"hidden_size": 8}, "quantization": quantization, "eos_token_id": 44
         }),
     };

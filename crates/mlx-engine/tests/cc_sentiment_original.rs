@@ -1,0 +1,341 @@
+//! cc-sentiment's own prompt and sixteen developer messages, labelled by the
+//! engine and by the Python original on the same checkpoint: the tiny
+//! Gemma 4 with every feature (window 5 against the 700-token prompt,
+//! KV-shared layers, per-layer inputs, mixed 4/8-bit) in bfloat16, with a
+//! word-level tokenizer over the prompt's and the messages' words.
+//!
+//! - With `PrefixCache::WithGeneratedToken` and `QuantizedWeights::Keep`
+//!   (the original's prefix cache and mlx_lm's arithmetic) the labels equal
+//!   those of cc-sentiment 0.2.135's `SentimentClassifier` on spawnllm
+//!   0.17.1 + mlx-lm 0.31.3, kept in `tests/data/cc_sentiment_original.json`
+//!   (that stack needs Python 3.13 and takes minutes: set
+//!   `MLX_LOWMEM_SPAWNLLM_PYTHON` to its interpreter to compute them again,
+//!   with `tests/parity/spawnllm_labels.py`, into that file).
+//! - With the clean prefix they equal mlx_lm 0.32.2's `batch_generate` on
+//!   copies of the prefix's own cache (run live).
+//!
+//! Skips, saying so, without the system prompt (`cargo xtask fixtures`) or
+//! the interop Python.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::python_with;
+use common::tiny_gemma::{write_gemma4_with, Layout};
+use mlx_engine::{
+    EngineConfig, GenerateOptions, LogitsProcessor, Message, MlxEngine, PrefixCache,
+    QuantizedWeights, SpecialTokens, Tokenizer,
+};
+use mlx_rs::ops::select;
+use mlx_rs::{Array, Dtype};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+/// Short messages of the kind cc-sentiment scores: terse commands, thanks,
+/// complaints, a pasted exchange (its `DEVELOPER:`/`AI:` form).
+const TEXTS: [&str; 16] = [
+    "fix the failing test in parser.rs",
+    "thanks, that works perfectly!",
+    "no. that is wrong again. read the error",
+    "why does the build keep breaking after every change you make",
+    "ok",
+    "great job, this is exactly what I wanted",
+    "run cargo test",
+    "AI: I updated the config.\nDEVELOPER: it still fails, same error",
+    "can you explain what this function does",
+    "stop changing unrelated files",
+    "nice, much faster now",
+    "undo that",
+    "this is the third time I asked, please just do what I said",
+    "looks good, commit it",
+    "hmm, not sure about this approach",
+    "perfect! you saved me hours",
+];
+
+const SPECIALS: [&str; 6] = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+];
+
+/// The pieces the `Whitespace` pre-tokenizer makes: runs of word
+/// characters, and runs of other non-space characters.
+fn pieces(text: &str) -> Vec<String> {
+    let word = |c: char| c.is_alphanumeric() || c == '_';
+    let mut out: Vec<String> = Vec::new();
+    let mut last: Option<bool> = None;
+    for c in text.chars() {
+        if c.is_whitespace() {
+            last = None;
+            continue;
+        }
+        let kind = word(c);
+        match (last, out.last_mut()) {
+            (Some(k), Some(piece)) if k == kind => piece.push(c),
+            _ => out.push(c.to_string()),
+        }
+        last = Some(kind);
+    }
+    out
+}
+
+/// `<specials>`, the digits, then every piece of `texts`, once; a
+/// Gemma-style chat template. Returns the vocabulary's size.
+fn write_tokenizer(dir: &Path, texts: &[&str]) -> i32 {
+    let mut vocab: Vec<String> = SPECIALS.iter().map(|s| (*s).to_owned()).collect();
+    vocab.extend((1..=5).map(|n| n.to_string()));
+    let mut words: Vec<String> = texts.iter().flat_map(|t| pieces(t)).collect();
+    words.sort();
+    words.dedup();
+    for w in words {
+        if !vocab.contains(&w) {
+            vocab.push(w);
+        }
+    }
+    let ids: serde_json::Map<String, serde_json::Value> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.clone(), i.into()))
+        .collect();
+    let added: Vec<_> = SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(id, content)| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+        "model": {"type": "WordLevel", "vocab": ids, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }} {{ m.content }}<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}";
+    let config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 1}"#).unwrap();
+    vocab.len() as i32
+}
+
+/// The user message cc-sentiment builds for one text
+/// (`cc_sentiment.text.build_user_content`).
+fn user_content(text: &str) -> String {
+    let body = text.trim();
+    if body.starts_with("DEVELOPER:") || body.starts_with("AI:") {
+        format!("CONVERSATION:\n{body}")
+    } else {
+        format!("CONVERSATION:\nDEVELOPER: {body}")
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// What the kept labels were computed on: the checkpoint's files and the
+/// system prompt, by digest.
+fn inputs(dir: &Path, system: &str) -> serde_json::Value {
+    let mut files = serde_json::Map::new();
+    for name in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        let bytes = std::fs::read(dir.join(name)).unwrap();
+        files.insert(name.into(), sha256_hex(&bytes).into());
+    }
+    json!({"files": files, "system_prompt": sha256_hex(system.as_bytes()), "texts": TEXTS})
+}
+
+fn kept_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/cc_sentiment_original.json")
+}
+
+/// The original's labels: computed again when `MLX_LOWMEM_SPAWNLLM_PYTHON`
+/// names its interpreter (and kept), else read from the kept file, which
+/// must have been made from these very inputs.
+fn original_labels(dir: &Path, inputs: &serde_json::Value) -> Vec<String> {
+    let regenerate = "set MLX_LOWMEM_SPAWNLLM_PYTHON to a Python 3.13 with spawnllm[mlx]==0.17.1, \
+        mlx-lm==0.31.3, cc-sentiment==0.2.135 (docs/mlx-engine.md) and run this test again";
+    if let Ok(python) = std::env::var("MLX_LOWMEM_SPAWNLLM_PYTHON") {
+        let request = dir.join("texts.json");
+        std::fs::write(&request, json!({"texts": TEXTS}).to_string()).unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/spawnllm_labels.py");
+        let out = Command::new(&python)
+            .arg(&script)
+            .arg(dir)
+            .arg(&request)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        made["inputs"] = inputs.clone();
+        let path = kept_path();
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, serde_json::to_string_pretty(&made).unwrap() + "\n").unwrap();
+        eprintln!("wrote {}: commit it", path.display());
+    }
+    let kept = std::fs::read_to_string(kept_path())
+        .unwrap_or_else(|e| panic!("{}: {e}; {regenerate}", kept_path().display()));
+    let kept: serde_json::Value = serde_json::from_str(&kept).unwrap();
+    assert_eq!(
+        &kept["inputs"], inputs,
+        "the kept labels were computed on other inputs; {regenerate}"
+    );
+    assert_eq!(kept["versions"]["spawnllm"], "0.17.1");
+    assert_eq!(kept["versions"]["mlx-lm"], "0.31.3");
+    serde_json::from_value(kept["labels"].clone()).unwrap()
+}
+
+/// mlx_lm 0.32.2's labels with the prefix's own cache.
+fn mlx_lm_clean_labels(python: &str, dir: &Path, system: &str, allowed: &[u32]) -> Vec<String> {
+    let tokenizer = Tokenizer::load(dir).unwrap();
+    let system = Message::new("system", system);
+    let prefix = tokenizer
+        .chat_tokens(std::slice::from_ref(&system), false, SpecialTokens::AsText)
+        .unwrap();
+    let suffixes: Vec<Vec<u32>> = TEXTS
+        .iter()
+        .map(|t| {
+            let conversation = [system.clone(), Message::new("user", user_content(t))];
+            let all = tokenizer
+                .chat_tokens(&conversation, true, SpecialTokens::AsText)
+                .unwrap();
+            all.strip_prefix(prefix.as_slice()).unwrap().to_vec()
+        })
+        .collect();
+    let request = dir.join("request.json");
+    let body = json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [1],
+                      "allowed": allowed, "batch_only": true});
+    std::fs::write(&request, body.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_gemma.py");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(dir)
+        .arg(&request)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reference["version"], "0.32.2");
+    reference["batch_greedy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ids| {
+            let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
+            tokenizer.decode(&ids).unwrap()
+        })
+        .collect()
+}
+
+/// cc-sentiment's processor: only the label tokens keep their logits.
+struct Labels(Array);
+
+impl LogitsProcessor for Labels {
+    fn process(&mut self, logits: &Array) -> Result<Array, mlx_rs::error::Exception> {
+        select(&self.0, logits, Array::from_f32(-1e9))
+    }
+}
+
+/// The engine as the cc_sentiment example runs it (batch 2, one token).
+fn engine_labels(
+    dir: &Path,
+    system: &str,
+    vocab: i32,
+    allowed: &[u32],
+    prefix: PrefixCache,
+) -> Vec<String> {
+    let allowed = allowed.to_vec();
+    let system = Message::new("system", system);
+    let engine = MlxEngine::new(
+        EngineConfig::new(dir)
+            .prefix_messages(vec![system.clone()])
+            .batch_size(2)
+            .quantized(QuantizedWeights::Keep)
+            .prefix_cache(prefix)
+            .logits_processor(move |_: &Tokenizer| {
+                let mut mask = vec![false; vocab as usize];
+                for id in allowed {
+                    mask[id as usize] = true;
+                }
+                Box::new(Labels(Array::from_slice(&mask, &[vocab]))) as Box<dyn LogitsProcessor>
+            }),
+    )
+    .unwrap();
+    let conversations = TEXTS
+        .iter()
+        .map(|t| vec![system.clone(), Message::new("user", user_content(t))])
+        .collect();
+    let texts = engine
+        .generate(conversations, GenerateOptions::new().max_tokens(1))
+        .unwrap()
+        .texts;
+    texts.iter().map(|t| t.trim().to_owned()).collect()
+}
+
+#[test]
+fn labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without() {
+    let test = "labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without";
+    let Some(fixture) = std::env::var_os("MLX_LOWMEM_CC_SENTIMENT").map(PathBuf::from) else {
+        eprintln!("SKIP {test}: MLX_LOWMEM_CC_SENTIMENT is not set (cargo xtask fixtures fetches cc-sentiment's system prompt)");
+        return;
+    };
+    let Some(python) = python_with(test, "mlx_lm") else {
+        return;
+    };
+    let system = std::fs::read_to_string(fixture.join("system_prompt.txt")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let mut words: Vec<&str> = vec![system.as_str(), "CONVERSATION: DEVELOPER: AI:"];
+    words.extend(TEXTS);
+    let vocab = write_tokenizer(dir, &words);
+    write_gemma4_with(dir, Layout::Text, true, Dtype::Bfloat16, vocab);
+    // The writer puts its own tokenizer beside the weights: ours again.
+    write_tokenizer(dir, &words);
+    let allowed: Vec<u32> = (6..11).collect();
+
+    let original = original_labels(dir, &inputs(dir, &system));
+    let ours = engine_labels(
+        dir,
+        &system,
+        vocab,
+        &allowed,
+        PrefixCache::WithGeneratedToken,
+    );
+    assert_eq!(
+        ours, original,
+        "with the original's prefix cache: ours vs spawnllm"
+    );
+
+    let clean = mlx_lm_clean_labels(&python, dir, &system, &allowed);
+    let ours = engine_labels(dir, &system, vocab, &allowed, PrefixCache::Clean);
+    assert_eq!(ours, clean, "with the clean prefix: ours vs mlx_lm");
+    let moved = original.iter().zip(&clean).filter(|(a, b)| a != b).count();
+    eprintln!(
+        "{moved} of {} labels differ between the two prefix caches",
+        TEXTS.len()
+    );
+}
