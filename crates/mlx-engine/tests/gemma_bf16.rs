@@ -12,15 +12,14 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
+use common::logits::{largest_difference, positions, run_parity_script};
 use common::tiny_gemma::*;
 use common::{mlx_lm_python, python_with, VOCAB};
 use mlx_engine::{
     EngineConfig, GenerateOptions, KvCache, LogitsProcessor, MlxEngine, Model, PrefixCache,
     QuantizedWeights, Tokenizer,
 };
-use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::select;
 use mlx_rs::{Array, Dtype};
 use serde_json::json;
@@ -36,57 +35,6 @@ fn write_request(dir: &Path, body: serde_json::Value) -> std::path::PathBuf {
     request
 }
 
-fn run_python(python: &str, script: &str, dir: &Path, request: &Path) -> serde_json::Value {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/parity")
-        .join(script);
-    let out = Command::new(python)
-        .arg(&script)
-        .arg(dir)
-        .arg(request)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}: {}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(
-        reference["version"], "0.32.2",
-        "the reference must be mlx_lm 0.32.2 (cargo xtask test installs it beside the venv)"
-    );
-    reference
-}
-
-/// `(positions, vocab)` logits of row `row` of `(B, L, vocab)`, positions
-/// `from..`.
-fn positions(logits: &Array, row: i32, from: i32) -> Vec<Vec<f32>> {
-    let v = logits
-        .index((row, from.., ..))
-        .as_dtype(Dtype::Float32)
-        .unwrap();
-    v.eval().unwrap();
-    let vocab = v.dim(1) as usize;
-    v.as_slice::<f32>()
-        .chunks(vocab)
-        .map(<[f32]>::to_vec)
-        .collect()
-}
-
-fn largest_difference(ours: &[Vec<f32>], theirs: &serde_json::Value) -> f32 {
-    let theirs: Vec<Vec<f32>> = serde_json::from_value(theirs.clone()).unwrap();
-    assert_eq!(ours.len(), theirs.len(), "positions");
-    ours.iter()
-        .zip(&theirs)
-        .flat_map(|(a, b)| {
-            assert_eq!(a.len(), b.len(), "vocabulary");
-            a.iter().zip(b).map(|(x, y)| (x - y).abs())
-        })
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
     let test = "gemma4_in_bfloat16_equals_mlx_lm_at_every_position";
@@ -100,7 +48,7 @@ fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
         let what = if quantized { "4/8-bit" } else { "dense" };
         let (prefix, suffixes) = prompt_tokens(dir);
         let request = write_request(dir, json!({"prefix": prefix, "suffixes": suffixes}));
-        let reference = run_python(&python, "mlx_lm_positions.py", dir, &request);
+        let reference = run_parity_script(&python, "mlx_lm_positions.py", dir, &request);
         assert_eq!(reference["dtype"], "mlx.core.bfloat16", "{what}");
         let model = Model::load(dir, QuantizedWeights::Keep).unwrap();
         let p = prefix.len() as i32;
@@ -196,7 +144,7 @@ fn the_engine_answers_as_mlx_lm_with_either_prefix_cache() {
             json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [44],
                    "allowed": allowed_ids, "batch_only": true, "spawnllm_prefix": spawnllm}),
         );
-        let reference = run_python(&python, "mlx_lm_gemma.py", dir, &request);
+        let reference = run_parity_script(&python, "mlx_lm_gemma.py", dir, &request);
         let theirs: Vec<String> = reference["batch_greedy"]
             .as_array()
             .unwrap()

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod logits;
 pub mod tiny_gemma;
 
 use std::path::Path;

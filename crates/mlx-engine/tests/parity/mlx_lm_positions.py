@@ -3,15 +3,17 @@ tests in the checkpoint's own dtype.
 
 Usage: mlx_lm_positions.py MODEL_DIR REQUEST_JSON
 
-REQUEST_JSON: {"prefix": [ids], "suffixes": [[ids], ...]}. For every row,
-with mlx_lm's own caches (rotating ones on sliding layers):
+REQUEST_JSON: {"prefix": [ids], "suffixes": [[ids], ...]}, optionally
+"whole": false. With mlx_lm's own caches (rotating ones on sliding layers):
 
-- "whole": the logits of every position of prefix + suffix, one forward;
+- "prefix": the logits of every position of the prefix, one forward;
+- "whole" (unless false): for every row, the logits of every position of
+  prefix + suffix, one forward;
 - "after_prefix": the logits of every suffix position, the suffix run on a
   deep copy of the prefix's prompt cache.
 
-Prints {"version": ..., "dtype": ..., "whole": [[[...]]], "after_prefix":
-[[[...]]]} as JSON (float32 values of the model's logits). mlx_lm 0.32.2
+Prints {"version": ..., "dtype": ..., "prefix": [[...]], "whole":
+[[[...]]], "after_prefix": [[[...]]]} as JSON (float32 values of the model's logits). mlx_lm 0.32.2
 comes from `<venv>/mlx-lm-0.32.2` when `cargo xtask test` put it there.
 """
 import copy
@@ -35,14 +37,16 @@ def main():
     prefix, suffixes = request["prefix"], request["suffixes"]
 
     prefix_cache = make_prompt_cache(model)
-    model(mx.array([prefix]), cache=prefix_cache)
+    logits = model(mx.array([prefix]), cache=prefix_cache)[0]
     mx.eval([c.state for c in prefix_cache])
+    dtype = str(logits.dtype)
+    prefix_logits = logits.astype(mx.float32).tolist()
 
-    whole, after_prefix, dtype = [], [], None
+    whole, after_prefix = [], []
     for suffix in suffixes:
-        logits = model(mx.array([prefix + suffix]), cache=make_prompt_cache(model))[0]
-        dtype = str(logits.dtype)
-        whole.append(logits.astype(mx.float32).tolist())
+        if request.get("whole", True):
+            logits = model(mx.array([prefix + suffix]), cache=make_prompt_cache(model))[0]
+            whole.append(logits.astype(mx.float32).tolist())
         cache = copy.deepcopy(prefix_cache)
         logits = model(mx.array([suffix]), cache=cache)[0]
         after_prefix.append(logits.astype(mx.float32).tolist())
@@ -51,6 +55,7 @@ def main():
             {
                 "version": mlx_lm.__version__,
                 "dtype": dtype,
+                "prefix": prefix_logits,
                 "whole": whole,
                 "after_prefix": after_prefix,
             }
