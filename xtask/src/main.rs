@@ -127,6 +127,9 @@ enum Bench {
     Stream,
     Fuse,
     Engine,
+    /// mlx_lm's arithmetic (bfloat16, MLX's quantized product) against the
+    /// CPU default, and mlx_lm's own forward.
+    Arithmetic,
 }
 
 fn main() -> std::process::ExitCode {
@@ -313,6 +316,19 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
     }
     if all || which == Bench::Stream {
         cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
+    }
+    if all || which == Bench::Arithmetic {
+        cargo(
+            &[
+                "bench",
+                "--package",
+                "mlx-engine",
+                "--bench",
+                "arithmetic",
+                "--",
+            ],
+            if all { &[] } else { args },
+        )?;
     }
     for (bench, package) in [(Bench::Fuse, "adapter-fuse"), (Bench::Engine, "mlx-engine")] {
         if !(all || which == bench) {

@@ -34,52 +34,6 @@ fn example() -> PathBuf {
     path
 }
 
-/// A word-level tokenizer (`w0`…, the digits, Gemma-like turn markers) and
-/// a chat template in Gemma's shape.
-fn write_tokenizer(dir: &Path) {
-    let mut vocab = serde_json::Map::new();
-    let specials = [
-        "<pad>",
-        "<eos>",
-        "<bos>",
-        "<unk>",
-        "<start_of_turn>",
-        "<end_of_turn>",
-    ];
-    for (i, token) in specials.iter().enumerate() {
-        vocab.insert((*token).into(), i.into());
-    }
-    for n in 1..=5 {
-        vocab.insert(n.to_string(), (specials.len() + n - 1).into());
-    }
-    let first_word = specials.len() + 5;
-    for i in 0..WORDS {
-        vocab.insert(format!("w{i}"), (first_word + i).into());
-    }
-    let added: Vec<_> = specials
-        .iter()
-        .enumerate()
-        .map(|(id, content)| {
-            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    let tokenizer = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    let template = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }} {{ m.content }}<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}";
-    let config = json!({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"
-    });
-    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
-    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 1}"#).unwrap();
-}
-
 #[test]
 fn the_example_labels_as_mlx_lm_does_on_the_same_fused_model() {
     let test = "the_example_labels_as_mlx_lm_does_on_the_same_fused_model";
@@ -100,7 +54,7 @@ fn the_example_labels_as_mlx_lm_does_on_the_same_fused_model() {
         ..gemma4_e2b::E2bBase::default()
     };
     gemma4_e2b::write(&base, &config);
-    write_tokenizer(&base);
+    common::gemma_words::write_tokenizer(&base, (0..WORDS).map(|i| format!("w{i}")));
 
     // A short system prompt of words the tokenizer knows and does not: the
     // random model's cost stays small on the CPU.
@@ -161,12 +115,7 @@ fn the_example_labels_as_mlx_lm_does_on_the_same_fused_model() {
     let suffixes: Vec<Vec<u32>> = texts
         .iter()
         .map(|t| {
-            let body = t.trim();
-            let content = if body.starts_with("DEVELOPER:") || body.starts_with("AI:") {
-                format!("CONVERSATION:\n{body}")
-            } else {
-                format!("CONVERSATION:\nDEVELOPER: {body}")
-            };
+            let content = common::gemma_words::user_content(t);
             let conversation = [system.clone(), Message::new("user", content)];
             let all = tokenizer
                 .chat_tokens(&conversation, true, SpecialTokens::AsText)

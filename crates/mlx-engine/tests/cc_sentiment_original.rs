@@ -20,16 +20,16 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use common::gemma_words::{label_ids, user_content, write_tokenizer};
+use common::logits::{run_parity_script, run_script, write_request, Only};
 use common::python_with;
 use common::tiny_gemma::{write_gemma4_with, Layout};
 use mlx_engine::{
     EngineConfig, GenerateOptions, LogitsProcessor, Message, MlxEngine, PrefixCache,
     QuantizedWeights, SpecialTokens, Tokenizer,
 };
-use mlx_rs::ops::select;
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Dtype;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -54,15 +54,6 @@ const TEXTS: [&str; 16] = [
     "perfect! you saved me hours",
 ];
 
-const SPECIALS: [&str; 6] = [
-    "<pad>",
-    "<eos>",
-    "<bos>",
-    "<unk>",
-    "<start_of_turn>",
-    "<end_of_turn>",
-];
-
 /// The pieces the `Whitespace` pre-tokenizer makes: runs of word
 /// characters, and runs of other non-space characters.
 fn pieces(text: &str) -> Vec<String> {
@@ -84,58 +75,12 @@ fn pieces(text: &str) -> Vec<String> {
     out
 }
 
-/// `<specials>`, the digits, then every piece of `texts`, once; a
-/// Gemma-style chat template. Returns the vocabulary's size.
-fn write_tokenizer(dir: &Path, texts: &[&str]) -> i32 {
-    let mut vocab: Vec<String> = SPECIALS.iter().map(|s| (*s).to_owned()).collect();
-    vocab.extend((1..=5).map(|n| n.to_string()));
+/// The pieces of `texts`, sorted, once each: the tokenizer's words.
+fn words_of(texts: &[&str]) -> Vec<String> {
     let mut words: Vec<String> = texts.iter().flat_map(|t| pieces(t)).collect();
     words.sort();
     words.dedup();
-    for w in words {
-        if !vocab.contains(&w) {
-            vocab.push(w);
-        }
-    }
-    let ids: serde_json::Map<String, serde_json::Value> = vocab
-        .iter()
-        .enumerate()
-        .map(|(i, w)| (w.clone(), i.into()))
-        .collect();
-    let added: Vec<_> = SPECIALS
-        .iter()
-        .enumerate()
-        .map(|(id, content)| {
-            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    let tokenizer = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
-        "model": {"type": "WordLevel", "vocab": ids, "unk_token": "<unk>"}
-    });
-    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    let template = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }} {{ m.content }}<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}";
-    let config = json!({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"
-    });
-    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
-    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 1}"#).unwrap();
-    vocab.len() as i32
-}
-
-/// The user message cc-sentiment builds for one text
-/// (`cc_sentiment.text.build_user_content`).
-fn user_content(text: &str) -> String {
-    let body = text.trim();
-    if body.starts_with("DEVELOPER:") || body.starts_with("AI:") {
-        format!("CONVERSATION:\n{body}")
-    } else {
-        format!("CONVERSATION:\nDEVELOPER: {body}")
-    }
+    words
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -172,21 +117,8 @@ fn original_labels(dir: &Path, inputs: &serde_json::Value) -> Vec<String> {
     let regenerate = "set MLX_LOWMEM_SPAWNLLM_PYTHON to a Python 3.13 with spawnllm[mlx]==0.17.1, \
         mlx-lm==0.31.3, cc-sentiment==0.2.135 (docs/mlx-engine.md) and run this test again";
     if let Ok(python) = std::env::var("MLX_LOWMEM_SPAWNLLM_PYTHON") {
-        let request = dir.join("texts.json");
-        std::fs::write(&request, json!({"texts": TEXTS}).to_string()).unwrap();
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/spawnllm_labels.py");
-        let out = Command::new(&python)
-            .arg(&script)
-            .arg(dir)
-            .arg(&request)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let mut made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let request = write_request(dir, &json!({"texts": TEXTS}));
+        let mut made = run_script(&python, "spawnllm_labels.py", dir, &request);
         made["inputs"] = inputs.clone();
         let path = kept_path();
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -222,24 +154,9 @@ fn mlx_lm_clean_labels(python: &str, dir: &Path, system: &str, allowed: &[u32]) 
             all.strip_prefix(prefix.as_slice()).unwrap().to_vec()
         })
         .collect();
-    let request = dir.join("request.json");
     let body = json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [1],
                       "allowed": allowed, "batch_only": true});
-    std::fs::write(&request, body.to_string()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_gemma.py");
-    let out = Command::new(python)
-        .arg(script)
-        .arg(dir)
-        .arg(&request)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(reference["version"], "0.32.2");
+    let reference = run_parity_script(python, "mlx_lm_gemma.py", dir, &write_request(dir, &body));
     reference["batch_greedy"]
         .as_array()
         .unwrap()
@@ -249,15 +166,6 @@ fn mlx_lm_clean_labels(python: &str, dir: &Path, system: &str, allowed: &[u32]) 
             tokenizer.decode(&ids).unwrap()
         })
         .collect()
-}
-
-/// cc-sentiment's processor: only the label tokens keep their logits.
-struct Labels(Array);
-
-impl LogitsProcessor for Labels {
-    fn process(&mut self, logits: &Array) -> Result<Array, mlx_rs::error::Exception> {
-        select(&self.0, logits, Array::from_f32(-1e9))
-    }
 }
 
 /// The engine as the cc_sentiment example runs it (batch 2, one token).
@@ -277,11 +185,7 @@ fn engine_labels(
             .quantized(QuantizedWeights::Keep)
             .prefix_cache(prefix)
             .logits_processor(move |_: &Tokenizer| {
-                let mut mask = vec![false; vocab as usize];
-                for id in allowed {
-                    mask[id as usize] = true;
-                }
-                Box::new(Labels(Array::from_slice(&mask, &[vocab]))) as Box<dyn LogitsProcessor>
+                Box::new(Only::ids(&allowed, vocab)) as Box<dyn LogitsProcessor>
             }),
     )
     .unwrap();
@@ -309,13 +213,14 @@ fn labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without() {
     let system = std::fs::read_to_string(fixture.join("system_prompt.txt")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    let mut words: Vec<&str> = vec![system.as_str(), "CONVERSATION: DEVELOPER: AI:"];
-    words.extend(TEXTS);
-    let vocab = write_tokenizer(dir, &words);
+    let mut texts: Vec<&str> = vec![system.as_str(), "CONVERSATION: DEVELOPER: AI:"];
+    texts.extend(TEXTS);
+    let words = words_of(&texts);
+    let vocab = write_tokenizer(dir, words.clone());
     write_gemma4_with(dir, Layout::Text, true, Dtype::Bfloat16, vocab);
     // The writer puts its own tokenizer beside the weights: ours again.
-    write_tokenizer(dir, &words);
-    let allowed: Vec<u32> = (6..11).collect();
+    write_tokenizer(dir, words);
+    let allowed = label_ids();
 
     let original = original_labels(dir, &inputs(dir, &system));
     let ours = engine_labels(

@@ -23,7 +23,9 @@ mod gemma4_e2b;
 
 use std::path::{Path, PathBuf};
 
-use common::logits::{largest_difference, positions, run_parity_script};
+use common::logits::{
+    largest_difference, padded_forward, positions, run_parity_script, write_request,
+};
 use common::mlx_lm_python;
 use mlx_engine::{KvCache, Model, QuantizedWeights};
 use mlx_rs::Array;
@@ -78,10 +80,9 @@ fn inputs(dir: &Path, prefix: &[u32], suffixes: &[Vec<u32>]) -> serde_json::Valu
 fn reference(dir: &Path, inputs: &serde_json::Value) -> Option<serde_json::Value> {
     if std::env::var_os("MLX_LOWMEM_REGENERATE").is_some() {
         let python = mlx_lm_python("gemma4_e2b_bf16 (regenerating)")?;
-        let request = dir.join("request.json");
         let body =
             json!({"prefix": inputs["prefix"], "suffixes": inputs["suffixes"], "whole": false});
-        std::fs::write(&request, body.to_string()).unwrap();
+        let request = write_request(dir, &body);
         let mut made = run_parity_script(&python, "mlx_lm_positions.py", dir, &request);
         made["inputs"] = inputs.clone();
         std::fs::create_dir_all(kept_path().parent().unwrap()).unwrap();
@@ -141,20 +142,7 @@ fn e2b_shapes_in_bfloat16_equal_mlx_lm_at_every_position() {
         assert!(d == 0.0, "row {row} after the prefix differs by {d}");
     }
 
-    let width = suffixes.iter().map(Vec::len).max().unwrap();
-    let pads: Vec<i32> = suffixes.iter().map(|s| (width - s.len()) as i32).collect();
-    let block: Vec<i32> = suffixes
-        .iter()
-        .flat_map(|s| std::iter::repeat_n(0, width - s.len()).chain(ids(s)))
-        .collect();
-    let mut cache = shared.fork(suffixes.len() as i32).unwrap();
-    cache.set_pads(pads.clone()).unwrap();
-    let logits = model
-        .forward(
-            &Array::from_slice(&block, &[suffixes.len() as i32, width as i32]),
-            &mut cache,
-        )
-        .unwrap();
+    let (logits, pads) = padded_forward(&model, &shared, &suffixes);
     for (row, pad) in pads.iter().enumerate() {
         let d = largest_difference(
             &positions(&logits, row as i32, *pad),

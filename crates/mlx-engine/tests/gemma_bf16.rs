@@ -11,16 +11,15 @@
 
 mod common;
 
-use std::path::Path;
-
-use common::logits::{largest_difference, positions, run_parity_script};
+use common::logits::{
+    largest_difference, padded_forward, positions, run_parity_script, write_request, Only,
+};
 use common::tiny_gemma::*;
 use common::{mlx_lm_python, python_with, VOCAB};
 use mlx_engine::{
     EngineConfig, GenerateOptions, KvCache, LogitsProcessor, MlxEngine, Model, PrefixCache,
     QuantizedWeights, Tokenizer,
 };
-use mlx_rs::ops::select;
 use mlx_rs::{Array, Dtype};
 use serde_json::json;
 
@@ -28,12 +27,6 @@ use serde_json::json;
 /// element-wise steps are the ones mlx_lm calls, in the same dtype, so
 /// every logit is the same bfloat16 number.
 const TOLERANCE: f32 = 0.0;
-
-fn write_request(dir: &Path, body: serde_json::Value) -> std::path::PathBuf {
-    let request = dir.join("request.json");
-    std::fs::write(&request, body.to_string()).unwrap();
-    request
-}
 
 #[test]
 fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
@@ -47,7 +40,7 @@ fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
         write_gemma4_in(dir, Layout::Mlx, quantized, Dtype::Bfloat16);
         let what = if quantized { "4/8-bit" } else { "dense" };
         let (prefix, suffixes) = prompt_tokens(dir);
-        let request = write_request(dir, json!({"prefix": prefix, "suffixes": suffixes}));
+        let request = write_request(dir, &json!({"prefix": prefix, "suffixes": suffixes}));
         let reference = run_parity_script(&python, "mlx_lm_positions.py", dir, &request);
         assert_eq!(reference["dtype"], "mlx.core.bfloat16", "{what}");
         let model = Model::load(dir, QuantizedWeights::Keep).unwrap();
@@ -85,15 +78,7 @@ fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
             );
         }
 
-        let (block, pads, width) = left_padded(&suffixes);
-        let mut cache = shared.fork(suffixes.len() as i32).unwrap();
-        cache.set_pads(pads.clone()).unwrap();
-        let logits = model
-            .forward(
-                &Array::from_slice(&block, &[suffixes.len() as i32, width as i32]),
-                &mut cache,
-            )
-            .unwrap();
+        let (logits, pads) = padded_forward(&model, &shared, &suffixes);
         for (row, pad) in pads.iter().enumerate() {
             let d = largest_difference(
                 &positions(&logits, row as i32, *pad),
@@ -104,15 +89,6 @@ fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
                 "{what}: row {row} of the padded batch differs by {d}"
             );
         }
-    }
-}
-
-/// Leaves only `allowed` tokens (as cc-sentiment's label processor does).
-struct Only(Array);
-
-impl LogitsProcessor for Only {
-    fn process(&mut self, logits: &Array) -> Result<Array, mlx_rs::error::Exception> {
-        select(&self.0, logits, Array::from_f32(-1e9))
     }
 }
 
@@ -141,7 +117,7 @@ fn the_engine_answers_as_mlx_lm_with_either_prefix_cache() {
     ] {
         let request = write_request(
             dir,
-            json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [44],
+            &json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [44],
                    "allowed": allowed_ids, "batch_only": true, "spawnllm_prefix": spawnllm}),
         );
         let reference = run_parity_script(&python, "mlx_lm_gemma.py", dir, &request);
@@ -154,19 +130,17 @@ fn the_engine_answers_as_mlx_lm_with_either_prefix_cache() {
                 tokenizer.decode(&ids).unwrap()
             })
             .collect();
-        let allowed = allowed_ids.clone();
         let engine = MlxEngine::new(
             EngineConfig::new(dir)
                 .prefix_messages(vec![system()])
                 .batch_size(2)
                 .quantized(QuantizedWeights::Keep)
                 .prefix_cache(setting)
-                .logits_processor(move |_: &Tokenizer| {
-                    let mut mask = vec![false; VOCAB as usize];
-                    for id in allowed {
-                        mask[id as usize] = true;
+                .logits_processor({
+                    let allowed = allowed_ids.clone();
+                    move |_: &Tokenizer| {
+                        Box::new(Only::ids(&allowed, VOCAB)) as Box<dyn LogitsProcessor>
                     }
-                    Box::new(Only(Array::from_slice(&mask, &[VOCAB]))) as Box<dyn LogitsProcessor>
                 }),
         )
         .unwrap();
