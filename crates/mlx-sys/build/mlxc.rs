@@ -146,9 +146,27 @@ pub fn compile(
     if platform == Platform::MacosAarch64 {
         build.flag("-mmacosx-version-min=14.0");
     }
-    build
-        .try_compile("mlxc")
-        .map_err(|e| format!("compiling mlx-c: {e}"))
+    build.try_compile("mlxc").map_err(|e| {
+        if !has_cxx(&build) {
+            format!(
+                "no C++ compiler: mlx-c is C++20 and is compiled here. Install one: \
+                 `sudo apt-get install g++` (Debian/Ubuntu), `xcode-select --install` (macOS); \
+                 or set CXX ({e})"
+            )
+        } else {
+            format!("compiling mlx-c: {e}")
+        }
+    })
+}
+
+/// Whether the C++ compiler `build` would run starts at all.
+fn has_cxx(build: &cc::Build) -> bool {
+    build.try_get_compiler().is_ok_and(|c| {
+        c.to_command()
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
 }
 
 /// Generates bindings for every public mlx-c header, configured like upstream
@@ -168,12 +186,33 @@ pub fn generate_bindings(mlx_c_dir: &Path, out_dir: &Path) -> Result<(), String>
     for header in &headers {
         builder = builder.header(header.to_string_lossy());
     }
-    let bindings = builder.generate().map_err(|e| {
-        format!(
-            "generating bindings: {e}. bindgen needs libclang: install Debian's \
-             libclang-dev (or set LIBCLANG_PATH)"
-        )
-    })?;
+    let no_libclang = "bindgen needs libclang to read mlx-c's headers. Install it: \
+        `sudo apt-get install libclang-dev` (Debian/Ubuntu), `xcode-select --install` (macOS); \
+        or set LIBCLANG_PATH to the folder holding libclang";
+    // bindgen panics, with a backtrace, when it cannot load libclang: that
+    // is the one message a user needs here, so it becomes this error.
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    // The builder is moved in and nothing it touched is looked at after a
+    // panic, so no broken state can be observed.
+    let generated =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || builder.generate()));
+    std::panic::set_hook(quiet);
+    let bindings = match generated {
+        Ok(Ok(bindings)) => bindings,
+        Ok(Err(e)) => return Err(format!("generating bindings: {e}. {no_libclang}")),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("bindgen panicked");
+            return Err(format!(
+                "{no_libclang} ({})",
+                what.lines().next().unwrap_or(what)
+            ));
+        }
+    };
     bindings
         .write_to_file(out_dir.join("bindings.rs"))
         .map_err(|e| format!("writing bindings: {e}"))
