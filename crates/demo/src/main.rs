@@ -226,11 +226,11 @@ fn streaming() -> Result<()> {
 /// `demo import-gguf SRC.gguf DST [--f32]`: behind `cargo xtask import-gguf`.
 fn import_gguf(src: &std::path::Path, dst: &std::path::Path, f32: bool) -> Result<()> {
     let weights = if f32 {
-        mlx_engine::ImportWeights::F32
+        gguf_import::ImportWeights::F32
     } else {
-        mlx_engine::ImportWeights::Quantized
+        gguf_import::ImportWeights::Quantized
     };
-    mlx_engine::import_gguf(src, dst, weights)?;
+    gguf_import::import_gguf(src, dst, weights)?;
     println!(
         "imported {} into {} ({weights:?})",
         src.display(),

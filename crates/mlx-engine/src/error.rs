@@ -52,9 +52,6 @@ pub enum Error {
     /// A tensor could not become an MLX array.
     #[error(transparent)]
     Tensor(#[from] mlx_support::Error),
-    /// A GGUF file is corrupt, or holds what the importer cannot convert.
-    #[error("{path}: GGUF: {message}")]
-    Gguf { path: PathBuf, message: String },
     /// Tokenizing or rendering the chat template failed.
     #[error("tokenizer or chat template: {0}")]
     Template(String),

@@ -68,7 +68,7 @@
 //!
 //! Models in GGUF (llama architecture, e.g. SmolLM2; Gemma 3, e.g. Gemma 3
 //! 270M in Q4_K_M with its Q5_0, Q4_K, Q6_K and Q8_0 tensors) become mlx_lm
-//! folders with [`import_gguf`].
+//! folders with the `gguf-import` crate, a converter beside the engine.
 //!
 //! # Little memory
 //!
@@ -120,10 +120,6 @@ mod fused;
 mod gemma;
 mod gemma_config;
 mod generate;
-mod gguf;
-mod gguf_check;
-mod gguf_gemma;
-mod gguf_quants;
 mod lanes;
 mod layers;
 mod llama;
@@ -148,7 +144,6 @@ pub use config::{ModelConfig, SUPPORTED};
 pub use engine::{MlxEngine, Reply, Worker};
 pub use error::{EngineError, Error, Result};
 pub use generate::{Generation, GenerationStats};
-pub use gguf::{import_gguf, ImportWeights};
 pub use lanes::{default_lanes, share_blas_threads};
 pub use mlx_support::{Quantization, QuantizationConfig};
 pub use model::{MemoryMode, Model, QuantizedWeights};

@@ -4,7 +4,8 @@
 //! the file, never a crash, and leaves no output folder (an existing one is
 //! kept as it was).
 
-use mlx_engine::{import_gguf, Error, ImportWeights, Model, QuantizedWeights, Tokenizer};
+use gguf_import::{import_gguf, Error, ImportWeights};
+use mlx_engine::{Model, QuantizedWeights, Tokenizer};
 
 /// A GGUF metadata value.
 #[derive(Clone)]

@@ -2,11 +2,11 @@
 //! loader cannot serve (it rejects Q5_0 and decodes Q4_K wrongly: see
 //! docs/mlx-engine.md). Each decoder follows ggml's block layout; the tests
 //! compare them with the `gguf` Python package's `dequantize` on a real
-//! file (`tests/gguf_gemma3.rs`).
+//! file (`tests/gemma3.rs`).
 
 use half::{bf16, f16};
 
-use crate::gguf_check::{GgmlType, BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0};
+use crate::check::{GgmlType, BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0};
 
 fn half(bytes: &[u8]) -> f32 {
     f16::from_le_bytes([bytes[0], bytes[1]]).to_f32()

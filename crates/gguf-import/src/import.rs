@@ -55,7 +55,7 @@ fn unpermute(a: &Array, heads: i32) -> Result<Array> {
 /// is built beside `out` and renamed into place: an error leaves `out` as
 /// it was.
 pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()> {
-    let checked = crate::gguf_check::check(gguf)?;
+    let checked = crate::check::check(gguf)?;
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => std::path::PathBuf::from("."),
@@ -75,7 +75,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
         .map_err(io(&parent))?;
     match checked.text("general.architecture") {
         // Its tensor types are beyond MLX's loader: read here.
-        Some("gemma3") => crate::gguf_gemma::convert(gguf, &checked, building.path(), weights)?,
+        Some("gemma3") => crate::gemma::convert(gguf, &checked, building.path(), weights)?,
         _ => {
             check_mlx_loads(gguf, &checked)?;
             let g = GgufFile::load(gguf).map_err(|e| Error::Gguf {
@@ -88,7 +88,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
     }
     // The tokenizer must load as the engine loads it (a corrupt merges list
     // fails here) before the folder is published.
-    crate::tokenizer_file::read(&building.path().join("tokenizer.json"))
+    tokenizers::Tokenizer::from_file(building.path().join("tokenizer.json"))
         .map_err(|e| checked.bad(format!("the vocabulary does not make a tokenizer: {e}")))?;
     // Replace `out` whole: the old folder is moved aside first, so that at
     // every moment `out` is either the old import or the new one.
@@ -117,8 +117,8 @@ pub fn import_gguf(gguf: &Path, out: &Path, weights: ImportWeights) -> Result<()
 
 /// The llama path reads tensors through MLX's loader, which converts only
 /// these types (and decodes Q4_K wrongly, so it is not offered it).
-fn check_mlx_loads(path: &Path, checked: &crate::gguf_check::Checked) -> Result<()> {
-    use crate::gguf_check::{F16, F32, Q4_0, Q4_1, Q8_0};
+fn check_mlx_loads(path: &Path, checked: &crate::check::Checked) -> Result<()> {
+    use crate::check::{F16, F32, Q4_0, Q4_1, Q8_0};
     let loadable = [F32, F16, Q4_0, Q4_1, Q8_0];
     match checked.tensors.iter().find(|t| !loadable.contains(&t.ty)) {
         Some(t) => Err(Error::Gguf {
@@ -135,7 +135,7 @@ fn check_mlx_loads(path: &Path, checked: &crate::gguf_check::Checked) -> Result<
 /// Writes the mlx_lm folder for `source` into `out` (an empty folder).
 fn convert(
     source: &Source<'_>,
-    checked: &crate::gguf_check::Checked,
+    checked: &crate::check::Checked,
     out: &Path,
     weights: ImportWeights,
 ) -> Result<()> {
@@ -298,7 +298,7 @@ pub(crate) fn write_configs(
 
 /// Writes `arrays` as the folder's `model.safetensors`.
 pub(crate) fn save_weights(
-    checked: &crate::gguf_check::Checked,
+    checked: &crate::check::Checked,
     out: &Path,
     arrays: &[(String, Array)],
 ) -> Result<()> {

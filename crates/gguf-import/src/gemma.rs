@@ -17,10 +17,10 @@ use std::path::Path;
 
 use mlx_rs::Array;
 
+use crate::check::{Checked, TensorEntry};
 use crate::error::{Error, Result};
-use crate::gguf::{save_weights, write_configs, write_json, ImportWeights};
-use crate::gguf_check::{Checked, TensorEntry};
-use crate::gguf_quants::dequantize;
+use crate::import::{save_weights, write_configs, write_json, ImportWeights};
+use crate::quants::dequantize;
 
 /// llama.cpp's local RoPE base and sliding pattern for Gemma 3.
 const LOCAL_ROPE_BASE: f64 = 10_000.0;
