@@ -65,6 +65,29 @@ fn no_source_file_is_over_800_lines() {
     assert!(long.is_empty(), "split these files: {long:?}");
 }
 
+/// Code one crate's tests share with another's is a crate
+/// (`crates/test-support`, a dev-dependency), not a file included by a
+/// path that climbs out of the crate.
+#[test]
+fn no_file_is_included_from_another_crate() {
+    let mut files = Vec::new();
+    rust_files(&workspace_root(), &mut files);
+    let climbing: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let text = fs::read_to_string(f).ok()?;
+            let hit = text
+                .lines()
+                .any(|l| l.trim_start().starts_with("#[path") && l.contains("\"../../"));
+            hit.then(|| f.display().to_string())
+        })
+        .collect();
+    assert!(
+        climbing.is_empty(),
+        "these include files of other crates with #[path]; use test-support instead: {climbing:?}"
+    );
+}
+
 /// One dependency between workspace crates: (crate, dependency, dev?).
 type Edge = (String, String, bool);
 

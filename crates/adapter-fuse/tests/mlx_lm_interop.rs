@@ -7,15 +7,7 @@ use std::process::Command;
 
 use adapter_codec::AdapterCodec;
 use mlx_rs::Array;
-
-fn python() -> Option<String> {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&python)
-        .args(["-c", "import mlx_lm"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    ok.then_some(python)
-}
+use test_support::python::mlx_lm_python;
 
 fn normal(shape: &[i32], seed: u64, std: f32) -> Array {
     let key = mlx_rs::random::key(seed).unwrap();
@@ -112,10 +104,8 @@ fn write_model(base: &Path, adapter: &Path) {
 
 #[test]
 fn mlx_lm_loads_our_fused_model_and_it_equals_mlx_lm_fuse() {
-    let Some(python) = python() else {
-        eprintln!(
-            "SKIP mlx_lm_loads_our_fused_model_and_it_equals_mlx_lm_fuse: no Python with mlx_lm"
-        );
+    let Some(python) = mlx_lm_python("mlx_lm_loads_our_fused_model_and_it_equals_mlx_lm_fuse")
+    else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -10,18 +10,10 @@ use std::process::Command;
 use adapter_codec::AdapterCodec;
 use mlx_rs::{Array, Dtype};
 use st_mmap::SafetensorsFile;
+use test_support::python::python_with;
 
 const MODULE: &str = "model.layers.3.mlp.down_proj";
 const SCALE: f32 = 20.0;
-
-fn python() -> Option<String> {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&python)
-        .args(["-c", "import mlx_lm, mlx.core"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    ok.then_some(python)
-}
 
 fn random(shape: &[i32], seed: u64, std: f32) -> Array {
     let key = mlx_rs::random::key(seed).unwrap();
@@ -157,8 +149,7 @@ impl Case {
 
 /// Builds base and adapter, fuses both ways, and compares every byte.
 fn parity(case: &str, dtype: Dtype, adapter_dtype: Dtype, quant: Option<(i32, i32)>) {
-    let Some(python) = python() else {
-        eprintln!("SKIP mlx_lm parity ({case}): no Python with mlx and mlx_lm (cargo xtask test provides one)");
+    let Some(python) = python_with(&format!("mlx_lm parity ({case})"), "mlx_lm, mlx.core") else {
         return;
     };
     let c = Case::write(dtype, adapter_dtype, quant);
@@ -199,8 +190,8 @@ fn fuse_example() -> PathBuf {
 /// this machine would pick, and give the same bytes.
 #[test]
 fn under_openblas_generic_kernels_the_fused_bytes_are_mlx_lms() {
-    let Some(python) = python() else {
-        eprintln!("SKIP under_openblas_generic_kernels_the_fused_bytes_are_mlx_lms: no Python with mlx and mlx_lm (cargo xtask test provides one)");
+    let test = "under_openblas_generic_kernels_the_fused_bytes_are_mlx_lms";
+    let Some(python) = python_with(test, "mlx_lm, mlx.core") else {
         return;
     };
     let generic = [("OPENBLAS_CORETYPE", "PRESCOTT")];

@@ -8,8 +8,8 @@
 //! in both. Skips, saying so, without the adapter or the Python.
 
 mod common;
-#[path = "../../../tests/support/gemma4_e2b.rs"]
-mod gemma4_e2b;
+use test_support::gemma4_e2b;
+use test_support::python::mlx_lm_python;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -25,18 +25,6 @@ fn shipped(test: &str) -> Option<PathBuf> {
         eprintln!("SKIP {test}: MLX_LOWMEM_CC_SENTIMENT is not set (cargo xtask fixtures fetches the adapter)");
     }
     dir
-}
-
-fn python(test: &str) -> Option<String> {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&python)
-        .args(["-c", "import mlx_lm"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("SKIP {test}: {python} lacks mlx_lm (cargo xtask test provides it)");
-    }
-    ok.then_some(python)
 }
 
 fn codec(shipped: &Path) -> AdapterCodec {
@@ -135,7 +123,9 @@ fn python_fuse(
 fn the_shipped_adapter_fuses_into_gemma4_as_the_python_original_does() {
     let test = "the_shipped_adapter_fuses_into_gemma4_as_the_python_original_does";
     let Some(shipped) = shipped(test) else { return };
-    let Some(python) = python(test) else { return };
+    let Some(python) = mlx_lm_python(test) else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let (base, hub, adapter) = (
         dir.path().join("base"),

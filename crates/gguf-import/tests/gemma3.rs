@@ -6,14 +6,13 @@
 //! from the same vocabulary, and mlx_lm 0.32.2 on our import gives our
 //! logits and greedy continuations. Skips, saying so, without the fixture.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use mlx_engine::{KvCache, Model, QuantizedWeights, Tokenizer};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::Array;
+use test_support::python::{mlx_lm_python, python_with};
 
 const GGUF: &str = "gemma-3-270m-q4_k_m.gguf";
 
@@ -55,7 +54,7 @@ fn values(a: &Array) -> Vec<f32> {
 fn every_tensor_type_decodes_as_the_gguf_package_does() {
     let test = "every_tensor_type_decodes_as_the_gguf_package_does";
     let Some(dir) = fixture(test) else { return };
-    let Some(python) = common::python_with(test, "gguf, safetensors") else {
+    let Some(python) = python_with(test, "gguf, safetensors") else {
         return;
     };
     // One tensor of each type in the file, GGUF name → our name.
@@ -142,7 +141,7 @@ fn probes() -> Vec<&'static str> {
 fn the_tokenizer_equals_the_reference_on_probes() {
     let test = "the_tokenizer_equals_the_reference_on_probes";
     let Some(dir) = fixture(test) else { return };
-    let Some(python) = common::python_with(test, "gguf, transformers") else {
+    let Some(python) = python_with(test, "gguf, transformers") else {
         return;
     };
     let work = tempfile::tempdir().unwrap();
@@ -174,7 +173,7 @@ fn the_tokenizer_equals_the_reference_on_probes() {
 fn mlx_lm_agrees_with_us_on_the_import() {
     let test = "mlx_lm_agrees_with_us_on_the_import";
     let Some(dir) = fixture(test) else { return };
-    let Some(python) = common::mlx_lm_python(test) else {
+    let Some(python) = mlx_lm_python(test) else {
         return;
     };
     let dir = dir.join("f32");

@@ -20,8 +20,7 @@ use std::time::Instant;
 use mlx_engine::{KvCache, Model, QuantizedWeights};
 use mlx_rs::{Array, Dtype};
 
-#[path = "../../../tests/support/gemma4_e2b.rs"]
-mod e2b;
+use test_support::gemma4_e2b as e2b;
 
 const VOCAB: i32 = 512;
 

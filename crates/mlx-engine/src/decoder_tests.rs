@@ -4,6 +4,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use test_support::python::mlx_lm_python;
 
 use crate::cache::KvCache;
 use crate::error::Error;
@@ -305,20 +306,6 @@ fn unknown_architecture_lists_the_supported_ones() {
         matches!(&err, Error::UnsupportedArchitecture { model_type, supported } if model_type == "gpt_neox" && supported.contains(&"qwen3")),
         "{err}"
     );
-}
-
-/// The interop Python (`cargo xtask test` provides one with mlx_lm), or
-/// `None`, said on stderr, when it lacks mlx_lm.
-fn mlx_lm_python(test: &str) -> Option<String> {
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&python)
-        .args(["-c", "import mlx_lm"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        eprintln!("SKIP {test}: {python} lacks mlx_lm (cargo xtask test provides it)");
-    }
-    has.then_some(python)
 }
 
 /// mlx_lm's last-position logits for `PROMPT` on the model in `dir`.

@@ -8,8 +8,7 @@
 //! Skips, saying so, without the adapter or the Python.
 
 mod common;
-#[path = "../../../tests/support/gemma4_e2b.rs"]
-mod gemma4_e2b;
+use test_support::gemma4_e2b;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -41,7 +40,7 @@ fn the_example_labels_as_mlx_lm_does_on_the_same_fused_model() {
         eprintln!("SKIP {test}: MLX_LOWMEM_CC_SENTIMENT is not set (cargo xtask fixtures fetches the adapter)");
         return;
     };
-    let Some(python) = common::mlx_lm_python(test) else {
+    let Some(python) = test_support::python::mlx_lm_python(test) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -23,7 +23,6 @@ use std::path::{Path, PathBuf};
 
 use common::gemma_words::{label_ids, user_content, write_tokenizer};
 use common::logits::{run_parity_script, run_script, write_request, Only};
-use common::python_with;
 use common::tiny_gemma::{write_gemma4_with, Layout};
 use mlx_engine::{
     EngineConfig, GenerateOptions, LogitsProcessor, Message, MlxEngine, PrefixCache,
@@ -32,6 +31,7 @@ use mlx_engine::{
 use mlx_rs::Dtype;
 use serde_json::json;
 use sha2::{Digest, Sha256};
+use test_support::python::python_with;
 
 /// Short messages of the kind cc-sentiment scores: terse commands, thanks,
 /// complaints, a pasted exchange (its `DEVELOPER:`/`AI:` form).

@@ -8,14 +8,13 @@
 //! a prefix and a prompt longer than the engine's prefill pieces.
 
 mod common;
-#[path = "../../../tests/support/gemma4_e2b.rs"]
-mod gemma4_e2b;
+use test_support::gemma4_e2b;
 
 use std::path::Path;
 use std::process::Command;
 
 use common::tiny_gemma::*;
-use common::{mlx_lm_python, normal, VOCAB};
+use common::{normal, VOCAB};
 use mlx_engine::{
     EngineConfig, Error, GenerateOptions, KvCache, MemoryMode, MlxEngine, Model, QuantizedWeights,
     Tokenizer,
@@ -23,6 +22,7 @@ use mlx_engine::{
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 use serde_json::json;
+use test_support::python::mlx_lm_python;
 
 #[derive(serde::Deserialize)]
 struct Reference {

@@ -18,15 +18,14 @@
 //! (docs/benchmarks.md); the tiny Gemma tests cross it in every run.
 
 mod common;
-#[path = "../../../tests/support/gemma4_e2b.rs"]
-mod gemma4_e2b;
+use test_support::gemma4_e2b;
+use test_support::python::mlx_lm_python;
 
 use std::path::{Path, PathBuf};
 
 use common::logits::{
     largest_difference, padded_forward, positions, run_parity_script, write_request,
 };
-use common::mlx_lm_python;
 use mlx_engine::{KvCache, Model, QuantizedWeights};
 use mlx_rs::Array;
 use serde_json::json;

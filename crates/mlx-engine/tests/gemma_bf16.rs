@@ -15,13 +15,14 @@ use common::logits::{
     largest_difference, padded_forward, positions, run_parity_script, write_request, Only,
 };
 use common::tiny_gemma::*;
-use common::{mlx_lm_python, python_with, VOCAB};
+use common::VOCAB;
 use mlx_engine::{
     EngineConfig, GenerateOptions, KvCache, LogitsProcessor, MlxEngine, Model, PrefixCache,
     QuantizedWeights, Tokenizer,
 };
 use mlx_rs::{Array, Dtype};
 use serde_json::json;
+use test_support::python::{mlx_lm_python, python_with};
 
 /// What the kept bits allow: none. MLX's products, attention and
 /// element-wise steps are the ones mlx_lm calls, in the same dtype, so

@@ -174,6 +174,7 @@ fn this_workspace_has_complete_metadata_and_a_changelog() {
         [
             "st-mmap",
             "adapter-codec",
+            "gguf-import",
             "mlx-support",
             "adapter-fuse",
             "block-stream",

@@ -28,10 +28,7 @@ use mlx_rs::{random, Array};
 use serde_json::json;
 
 // E2B's shapes have one home, shared with the tests' UD-style checkpoint.
-#[path = "../../../../tests/support/gemma4_e2b.rs"]
-mod e2b;
-
-use e2b::{
+use test_support::gemma4_e2b::{
     is_full as full_attention, layer_tensors, LayerTensor, E2B_VOCAB as VOCAB, GLOBAL_HEAD_DIM,
     HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, PER_LAYER, SHARED_LAYERS, WINDOW,
 };
@@ -133,7 +130,7 @@ fn layers_file(range: std::ops::Range<i32>) -> anyhow::Result<File> {
                 LayerTensor::Vector { key, len, kind } => f.filled(
                     &key,
                     len,
-                    if kind == e2b::VectorKind::Scalar {
+                    if kind == test_support::gemma4_e2b::VectorKind::Scalar {
                         0.8
                     } else {
                         1.0

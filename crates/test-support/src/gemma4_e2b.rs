@@ -6,12 +6,10 @@
 //! k/v weights of KV-shared layers that checkpoints made with mlx_lm 0.31.3
 //! still carry.
 //!
-//! Test and benchmark support, shared by several crates with `#[path]`:
+//! Why it is made rather than downloaded:
 //! `unsloth/gemma-4-E2B-it-UD-MLX-4bit` (3.5–4.5 GB) cannot be downloaded
 //! where the tests run, and the shipped cc-sentiment adapter needs E2B's
-//! shapes in layers 19–34. Needs `mlx_rs` and `serde_json`.
-
-#![allow(dead_code)]
+//! shapes in layers 19–34.
 
 use std::path::Path;
 
@@ -106,6 +104,7 @@ pub fn is_full(i: i32) -> bool {
 const PREFIX: &str = "language_model.model.";
 
 /// One tensor of a decoder layer, as E2B has it (names under `model.`).
+#[derive(Debug)]
 pub enum LayerTensor {
     /// A `(rows, cols)` weight matrix (the checkpoint's `(out, in)`).
     Matrix {

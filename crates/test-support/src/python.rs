@@ -1,16 +1,16 @@
-//! The interop Python the reference checks run with.
-
-#![allow(dead_code)]
+//! The interop Python the reference checks run in.
 
 use std::process::Command;
 
-/// The interop Python, or `None`, said on stderr, when it lacks mlx_lm.
+/// The interop Python if it imports mlx_lm; otherwise `None`, said on
+/// stderr as `test`'s reason to skip.
 pub fn mlx_lm_python(test: &str) -> Option<String> {
     python_with(test, "mlx_lm")
 }
 
 /// The interop Python (`MLX_LOWMEM_PYTHON`, else `python3`) if it imports
-/// `modules` (comma-separated); otherwise says why `test` skips.
+/// `modules` (comma-separated, as an `import` statement takes them);
+/// otherwise `None`, said on stderr as `test`'s reason to skip.
 pub fn python_with(test: &str, modules: &str) -> Option<String> {
     let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
     let has = Command::new(&python)
