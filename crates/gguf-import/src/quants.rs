@@ -1,6 +1,6 @@
 //! ggml's tensor encodings decoded to f32, for the GGUF tensors MLX's own
 //! loader cannot serve (it rejects Q5_0 and decodes Q4_K wrongly: see
-//! docs/mlx-engine.md). Each decoder follows ggml's block layout; the tests
+//! docs/gguf-import.md). Each decoder follows ggml's block layout; the tests
 //! compare them with the `gguf` Python package's `dequantize` on a real
 //! file (`tests/gemma3.rs`).
 

@@ -443,7 +443,7 @@ impl ModelBench {
                 conversations: "8",
                 q4_conversations: "8",
                 // One conversation takes mlx_lm minutes through MLX's CPU
-                // quantized product (docs/mlx-engine.md).
+                // quantized product (docs/benchmarks.md).
                 q4_python_conversations: Some("1"),
                 q4_f32_at_load: false,
                 memory: "resident,mapped",

@@ -1,6 +1,6 @@
 """f32 GEMM rates of one OpenBLAS shared library, on the engine's shapes.
 
-Compares OpenBLAS builds before choosing one for MLX (docs/mlx-engine.md,
+Compares OpenBLAS builds before choosing one for MLX (docs/benchmarks.md,
 "A newer OpenBLAS from PyPI"). Loads the library with ctypes, prints its
 build configuration and the kernels it chose, then times row-major
 `cblas_sgemm` on SmolLM2's shapes: a decode step's feed-forward product

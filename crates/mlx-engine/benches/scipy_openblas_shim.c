@@ -1,7 +1,7 @@
 /* Measurement only, never linked into the project: lets the engine's
  * bench child run on the scipy-openblas32 wheel's OpenBLAS, whose symbols
  * all carry a `scipy_` prefix, by forwarding the unprefixed names that
- * libmlx and mlx-support look up. Build and use (docs/mlx-engine.md, "A
+ * libmlx and mlx-support look up. Build and use (docs/benchmarks.md, "A
  * newer OpenBLAS from PyPI"):
  *
  *   L=.../scipy_openblas32/lib

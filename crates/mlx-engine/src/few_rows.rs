@@ -5,7 +5,7 @@
 //! batch 8). BLAS packs each weight matrix before multiplying it, which for
 //! so few rows costs as much as the product: SmolLM2's 210 matrices took
 //! 59–64 ms on OpenBLAS's two threads where reading them once takes about
-//! 20 (docs/mlx-engine.md, "Where a decode step goes"). So on the CPU a
+//! 20 (docs/benchmarks.md, "Dense weights in panels"). So on the CPU a
 //! dense f32 weight is held *in panels*: `(out / PANEL, in, PANEL)`, each
 //! panel the weight's next `PANEL` outputs for every input, contiguous.
 //! The kernel reads each panel front to back, eight rows at a time with

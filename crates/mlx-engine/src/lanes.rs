@@ -30,8 +30,8 @@ use crate::model::Model;
 /// How many chunks an engine runs side by side unless told
 /// ([`EngineConfig::lanes`](crate::EngineConfig::lanes)): two on the CPU
 /// with at least two cores, the layers in memory (resident, or with the
-/// tables mapped: measured on SmolLM2 and E2B's shapes, docs/mlx-engine.md
-/// "Chunks in lanes"); one otherwise: the GPU runs a stream's work over
+/// tables mapped: measured on SmolLM2 and E2B's shapes, docs/benchmarks.md
+/// "Lanes"); one otherwise: the GPU runs a stream's work over
 /// its own cores, and streamed layers run one chunk at a time.
 pub fn default_lanes(device: mlx_support::ComputeDevice, memory: crate::MemoryMode) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -52,8 +52,8 @@ pub fn default_lanes(device: mlx_support::ComputeDevice, memory: crate::MemoryMo
 /// it, the lanes' products each spread over all the cores and wait for
 /// each other: on two cores, SmolLM2 classification took 8.6 and 9.5 s on
 /// two lanes of two threads, 9.0 and 10.1 s on one lane, 7.7 and 7.8 s on
-/// two lanes of one thread (an early version; docs/mlx-engine.md, "Chunks
-/// in lanes", has the later figures).
+/// two lanes of one thread (an early version; docs/benchmarks.md, "Lanes",
+/// has the later figures).
 pub fn share_blas_threads(lanes: usize) -> Option<usize> {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     mlx_support::set_blas_threads((cores / lanes.max(1)).max(1))

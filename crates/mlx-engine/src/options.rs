@@ -143,8 +143,8 @@ impl EngineConfig {
     /// one core; two chunks at once keep both cores busy, at the cost of a
     /// second chunk's activations in memory. With OpenBLAS, give each lane
     /// its share of the cores at the start of `main` with
-    /// [`share_blas_threads`](crate::share_blas_threads) (docs/mlx-engine.md,
-    /// "Chunks in lanes", has the figures). Layers streamed from the files
+    /// [`share_blas_threads`](crate::share_blas_threads) (docs/benchmarks.md,
+    /// "Lanes", has the figures). Layers streamed from the files
     /// ([`MemoryMode::Streamed`]) always run one chunk at a time. Results do
     /// not depend on it.
     pub fn lanes(mut self, lanes: usize) -> EngineConfig {

@@ -24,7 +24,7 @@
 //! compiled kernel with a broadcast input runs its strided loop, an index
 //! computation per element. That form took 4.9–7.8 ms for a 16 MiB slice
 //! of E2B's feed-forward matrices, this one 2.2–2.9 ms (MLX 0.32.2 from
-//! Python; the engine's figures are in docs/mlx-engine.md). Other widths
+//! Python; the engine's figures are in docs/benchmarks.md). Other widths
 //! straddle bytes and go through `dequantize`.
 
 use std::cell::RefCell;

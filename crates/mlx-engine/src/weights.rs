@@ -519,7 +519,7 @@ pub(crate) enum Embedding {
     /// load as [`Linear`] weights are: with the vocabulary as the product's
     /// columns that layout is the faster one at every row count measured
     /// (SmolLM2's head, 8 rows: 13 against 20 ms on two OpenBLAS threads;
-    /// docs/mlx-engine.md), in the head's slices, as a table left in the
+    /// CHANGELOG.md), in the head's slices, as a table left in the
     /// files is.
     Dense(Array),
     /// Packed rows: gathered rows are dequantized.
