@@ -108,50 +108,29 @@
 //! let engine = MlxEngine::new(EngineConfig::new(dir)).unwrap();
 //! ```
 
-mod attention;
-mod cache;
-mod config;
-#[cfg(test)]
-mod decoder_tests;
-mod engine;
 mod error;
-mod few_rows;
-mod fused;
-mod gemma;
-mod gemma_config;
-mod generate;
-mod lanes;
-mod layers;
-mod llama;
-mod mapped;
-mod memory_mode;
-mod mlp;
-mod model;
-mod options;
-mod rope;
-mod row_groups;
-mod slices;
+mod models;
+mod nn;
+mod runtime;
 #[cfg(test)]
 mod test_support;
 mod tokenizer;
-mod tokenizer_file;
-mod unpack;
 mod weights;
 
 pub use block_stream::BlockLoraSource;
-pub use cache::KvCache;
-pub use config::{ModelConfig, SUPPORTED};
-pub use engine::{MlxEngine, Reply, Worker};
 pub use error::{EngineError, Error, Result};
-pub use generate::{Generation, GenerationStats};
-pub use lanes::{default_lanes, share_blas_threads};
 pub use mlx_support::{Quantization, QuantizationConfig};
-pub use model::{MemoryMode, Model, QuantizedWeights};
-pub use options::{
+pub use models::config::{ModelConfig, SUPPORTED};
+pub use models::{MemoryMode, Model, QuantizedWeights};
+pub use nn::cache::KvCache;
+pub use runtime::engine::{MlxEngine, Reply, Worker};
+pub use runtime::generate::{Generation, GenerationStats};
+pub use runtime::lanes::{default_lanes, share_blas_threads};
+pub use runtime::options::{
     EngineConfig, GenerateOptions, LogitsProcessor, LogitsProcessorFactory, PrefixCache,
-    SpecialTokens, DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_PROMPT_TOKENS,
 };
-pub use tokenizer::{Message, Tokenizer};
+pub use tokenizer::{Message, SpecialTokens, Tokenizer};
 
 /// Compiles the README's example with the doc-tests, so that it stays true.
 #[cfg(doctest)]

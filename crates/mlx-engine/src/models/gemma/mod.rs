@@ -10,20 +10,22 @@
 //! larger heads and "proportional" RoPE on full layers, a learned scalar on
 //! each layer's output and a tanh softcap on the logits.
 
+pub(crate) mod config;
+
 use mlx_rs::fast;
 use mlx_rs::ops::{clip, power, tanh};
 use mlx_rs::{Array, Dtype};
 
-use crate::attention::attention;
-use crate::cache::{at_position, KvCache, LayerMask};
-use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::fused::gelu_tanh_mul;
-use crate::gemma_config::{GemmaSpec, Version};
-use crate::layers::{Forward, Layers};
-use crate::mlp::gated_mlp;
-use crate::rope::Positions;
-use crate::row_groups::{in_row_groups, rows_within};
+use crate::models::config::ModelConfig;
+use crate::models::gemma::config::{GemmaSpec, Version};
+use crate::nn::attention::attention;
+use crate::nn::cache::{at_position, KvCache, LayerMask};
+use crate::nn::fused::gelu_tanh_mul;
+use crate::nn::mlp::gated_mlp;
+use crate::nn::rope::Positions;
+use crate::nn::row_groups::{in_row_groups, rows_within};
+use crate::weights::layers::{Forward, Layers};
 use crate::weights::{Embedding, GatheredRows, Linear, Weights};
 
 /// The f32 bytes of one group of rows' queries, from which a layer's
@@ -610,7 +612,7 @@ fn scalar(v: f64, dtype: Dtype) -> Result<Array> {
 }
 
 /// `gelu_tanh(gate) · up`: compiled for f32 (see
-/// [`crate::fused::gelu_tanh_mul`]), MLX's own operations otherwise.
+/// [`crate::nn::fused::gelu_tanh_mul`]), MLX's own operations otherwise.
 fn gelu_mul(gate: &Array, up: &Array) -> Result<Array> {
     if gate.dtype() == Dtype::Float32 && up.dtype() == Dtype::Float32 {
         return Ok(gelu_tanh_mul(gate, up)?);

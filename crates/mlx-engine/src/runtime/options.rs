@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use crate::model::{MemoryMode, QuantizedWeights};
-use crate::tokenizer::{Message, Tokenizer};
+use crate::models::{MemoryMode, QuantizedWeights};
+use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
 
 /// Changes the logits `(batch, vocab)` of each decoding step, e.g. to allow
 /// only a set of label tokens.
@@ -24,21 +24,6 @@ impl<F: FnMut(&Array) -> Result<Array, Exception>> LogitsProcessor for F {
 
 /// Builds the logits processor from the loaded tokenizer, on the worker.
 pub type LogitsProcessorFactory = Box<dyn FnOnce(&Tokenizer) -> Box<dyn LogitsProcessor> + Send>;
-
-/// How special-token strings inside message contents are tokenized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum SpecialTokens {
-    /// As plain text (the default): a user who writes `<|im_end|>` gets the
-    /// characters, not the control token, so untrusted text cannot end its
-    /// turn or open a system message. The chat template's own special
-    /// tokens stay special.
-    #[default]
-    AsText,
-    /// As control tokens, as Hugging Face's `apply_chat_template` followed
-    /// by `encode` does (and mlx_lm with it): only for trusted content.
-    Honor,
-}
 
 /// What the shared prefix's cache holds: which positions every
 /// conversation attends to before its own turn.

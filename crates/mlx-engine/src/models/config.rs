@@ -53,7 +53,7 @@ pub struct ModelConfig {
     /// Gemma's architecture fields (layer types, windows, per-layer
     /// embeddings, …); `None` for the llama family.
     #[serde(skip)]
-    pub(crate) gemma: Option<crate::gemma_config::GemmaSpec>,
+    pub(crate) gemma: Option<crate::models::gemma::config::GemmaSpec>,
 }
 
 fn default_rope_theta() -> f32 {
@@ -97,15 +97,16 @@ impl ModelConfig {
         }
         // Gemma's text fields, flattened and completed with mlx_lm's
         // defaults; other families read as they are.
-        let text_fields = crate::gemma_config::text_fields(&raw).map_err(bad)?;
+        let text_fields = crate::models::gemma::config::text_fields(&raw).map_err(bad)?;
         let fields = text_fields.as_ref().unwrap_or(&raw);
         let mut config: ModelConfig =
             serde_json::from_value(fields.clone()).map_err(|e| bad(e.to_string()))?;
         config.check().map_err(bad)?;
         if text_fields.is_some() {
             let multimodal = matches!(model_type, "gemma3" | "gemma4");
-            let spec = crate::gemma_config::GemmaSpec::resolve(fields, &config, multimodal)
-                .map_err(bad)?;
+            let spec =
+                crate::models::gemma::config::GemmaSpec::resolve(fields, &config, multimodal)
+                    .map_err(bad)?;
             config.gemma = Some(spec);
         }
         Ok(config)

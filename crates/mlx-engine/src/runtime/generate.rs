@@ -6,12 +6,12 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::Array;
 
-use crate::cache::KvCache;
 use crate::error::EngineError;
-use crate::lanes::{self, Coordinator};
-use crate::model::Model;
-use crate::options::{GenerateOptions, LogitsProcessor, PrefixCache, SpecialTokens};
-use crate::tokenizer::{Message, Tokenizer};
+use crate::models::Model;
+use crate::nn::cache::KvCache;
+use crate::runtime::lanes::{self, Coordinator};
+use crate::runtime::options::{GenerateOptions, LogitsProcessor, PrefixCache};
+use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
 
 /// Prompts are prefilled at most this many positions at a time, so that the
 /// attention scores of a long prompt (positions × positions per head) never

@@ -6,9 +6,9 @@ use std::path::Path;
 use std::process::Command;
 use test_support::python::mlx_lm_python;
 
-use crate::cache::KvCache;
 use crate::error::Error;
-use crate::model::{Model, QuantizedWeights};
+use crate::models::{Model, QuantizedWeights};
+use crate::nn::cache::KvCache;
 use mlx_rs::{Array, Dtype};
 
 fn normal(shape: &[i32], seed: u64, std: f32) -> Array {

@@ -14,9 +14,9 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{unbounded, Sender};
 
 use crate::error::EngineError;
-use crate::generate::{generate_batch, GenSettings, GenState, Generation};
-use crate::model::{MemoryMode, Model, QuantizedWeights};
-use crate::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
+use crate::models::{MemoryMode, Model, QuantizedWeights};
+use crate::runtime::generate::{generate_batch, GenSettings, GenState, Generation};
+use crate::runtime::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
 use crate::tokenizer::{Message, Tokenizer};
 
 /// What a job submitted with [`MlxEngine::submit`] gets to work with.
@@ -313,7 +313,7 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         batch_size: config.batch_size,
         lanes: config
             .lanes
-            .unwrap_or_else(|| crate::lanes::default_lanes(device, memory)),
+            .unwrap_or_else(|| crate::runtime::lanes::default_lanes(device, memory)),
         max_prompt_tokens,
         special_tokens: config.special_tokens,
         prefix_cache: config.prefix_cache,

@@ -3,9 +3,9 @@
 use mlx_rs::fast;
 use mlx_rs::Array;
 
-use crate::cache::KvCache;
 use crate::error::Result;
-use crate::row_groups::RowGroup;
+use crate::nn::cache::KvCache;
+use crate::nn::row_groups::RowGroup;
 
 /// Where each row's new tokens sit: the cached length, less each row's
 /// left padding (so padding does not shift positions).

@@ -16,7 +16,7 @@
 use mlx_rs::Array;
 
 use crate::error::Result;
-use crate::slices::slice_rows;
+use crate::weights::slices::slice_rows;
 use crate::weights::{Linear, OnUse};
 
 /// The f32 bytes of one slice's activations at most, e.g. its gate
@@ -86,7 +86,7 @@ mod tests {
     use mlx_rs::random;
     use mlx_support::Quantization;
 
-    use crate::fused::silu_mul;
+    use crate::nn::fused::silu_mul;
     use crate::test_support::max_abs_diff;
 
     fn packed(rows: i32, cols: i32, seed: u64) -> Linear {

@@ -1,6 +1,12 @@
 //! A loaded decoder model: the architecture a folder's `config.json` names,
 //! with its weights.
 
+pub(crate) mod config;
+pub(crate) mod gemma;
+pub(crate) mod llama;
+#[cfg(test)]
+mod tests;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -9,14 +15,14 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use st_mmap::SafetensorsSet;
 
-use crate::cache::KvCache;
-use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::gemma::{Gemma, KeyPrefixes};
-use crate::llama::Llama;
+use crate::models::config::ModelConfig;
+use crate::models::gemma::{Gemma, KeyPrefixes};
+use crate::models::llama::Llama;
+use crate::nn::cache::KvCache;
 use crate::weights::Weights;
 
-pub use crate::memory_mode::MemoryMode;
+pub use crate::weights::memory_mode::MemoryMode;
 pub use crate::weights::QuantizedWeights;
 
 enum Decoder {

@@ -24,8 +24,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use mlx_rs::Array;
 
-use crate::cache::KvCache;
-use crate::model::Model;
+use crate::models::Model;
+use crate::nn::cache::KvCache;
 
 /// How many chunks an engine runs side by side unless told
 /// ([`EngineConfig::lanes`](crate::EngineConfig::lanes)): two on the CPU

@@ -6,7 +6,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::config::ModelConfig;
+use crate::models::config::ModelConfig;
 
 /// Which Gemma.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

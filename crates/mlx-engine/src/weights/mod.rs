@@ -5,6 +5,13 @@
 //! that does not fit its config is an error naming the file and key, not a
 //! failed product later.
 
+pub(crate) mod few_rows;
+pub(crate) mod layers;
+pub(crate) mod mapped;
+pub(crate) mod memory_mode;
+pub(crate) mod slices;
+pub(crate) mod unpack;
+
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -17,11 +24,10 @@ use mlx_support::{array_from_bytes, Quantization, QuantizationConfig};
 use st_mmap::{SafetensorsSet, TensorView};
 
 use crate::error::{Error, Result};
-use crate::few_rows;
-use crate::mapped::MappedTable;
-use crate::memory_mode::MemoryMode;
-use crate::slices::{head_slice_rows, in_row_slices, slice_rows};
-use crate::unpack::dequantize_f32;
+use crate::weights::mapped::MappedTable;
+use crate::weights::memory_mode::MemoryMode;
+use crate::weights::slices::{head_slice_rows, in_row_slices, slice_rows};
+use crate::weights::unpack::dequantize_f32;
 
 /// How to hold quantized weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -429,7 +435,7 @@ impl Linear {
     }
 
     /// The packed weight, when it is unpacked before each product and the
-    /// layer has no bias: what [`crate::mlp`] slices.
+    /// layer has no bias: what [`crate::nn::mlp`] slices.
     pub(crate) fn unpacked_on_use(&self) -> Option<OnUse<'_>> {
         match (&self.layout, &self.bias) {
             (Layout::Packed(packed), None) if packed.dequantize_on_use => Some(OnUse {
@@ -630,7 +636,7 @@ impl GatheredRows {
 
     /// The rows of position `at` of axis 1 alone, the axis kept.
     pub(crate) fn at_position(&self, at: i32) -> Result<GatheredRows> {
-        let keep = |a: &Array| crate::cache::at_position(a, 1, at);
+        let keep = |a: &Array| crate::nn::cache::at_position(a, 1, at);
         Ok(match self {
             GatheredRows::Dense(a) => GatheredRows::Dense(keep(a)?),
             GatheredRows::Packed {

@@ -20,9 +20,9 @@ use mlx_rs::Array;
 use mlx_support::QuantizationConfig;
 use st_mmap::{BlockPrefix, SafetensorsSet};
 
-use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::memory_mode::MemoryMode;
+use crate::nn::cache::KvCache;
+use crate::weights::memory_mode::MemoryMode;
 use crate::weights::{QuantizedWeights, Weights};
 
 /// Builds layer `i` from the weights.

@@ -6,7 +6,7 @@ use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::Array;
 
 use crate::error::Result;
-use crate::row_groups::RowGroup;
+use crate::nn::row_groups::RowGroup;
 
 /// Room added whenever a row-owned buffer must grow, so that decoding
 /// appends in place instead of copying the whole cache at every step.

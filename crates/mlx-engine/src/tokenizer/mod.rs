@@ -1,12 +1,28 @@
 //! The tokenizer, chat template and stop tokens of a model folder.
 
+pub(crate) mod file;
+
 use std::collections::BTreeSet;
 use std::path::Path;
 
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::options::SpecialTokens;
+
+/// How special-token strings inside message contents are tokenized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SpecialTokens {
+    /// As plain text (the default): a user who writes `<|im_end|>` gets the
+    /// characters, not the control token, so untrusted text cannot end its
+    /// turn or open a system message. The chat template's own special
+    /// tokens stay special.
+    #[default]
+    AsText,
+    /// As control tokens, as Hugging Face's `apply_chat_template` followed
+    /// by `encode` does (and mlx_lm with it): only for trusted content.
+    Honor,
+}
 
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -81,7 +97,7 @@ impl Tokenizer {
     /// Loads the tokenizer of the model folder `dir`.
     pub fn load(dir: &Path) -> Result<Tokenizer> {
         let path = dir.join("tokenizer.json");
-        let inner = crate::tokenizer_file::read(&path).map_err(|e| Error::Config {
+        let inner = crate::tokenizer::file::read(&path).map_err(|e| Error::Config {
             path: path.clone(),
             message: e.to_string(),
         })?;

@@ -4,14 +4,14 @@
 use mlx_rs::fast;
 use mlx_rs::Array;
 
-use crate::attention::attention;
-use crate::cache::{at_position, KvCache, LayerMask};
-use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::fused::silu_mul;
-use crate::layers::{Forward, Layers};
-use crate::mlp::gated_mlp;
-use crate::rope::Positions;
+use crate::models::config::ModelConfig;
+use crate::nn::attention::attention;
+use crate::nn::cache::{at_position, KvCache, LayerMask};
+use crate::nn::fused::silu_mul;
+use crate::nn::mlp::gated_mlp;
+use crate::nn::rope::Positions;
+use crate::weights::layers::{Forward, Layers};
 use crate::weights::{Embedding, Linear, Weights};
 
 struct Layer {

@@ -23,8 +23,8 @@ use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
-use crate::slices::{head_slice_rows, in_row_slices};
-use crate::unpack::dequantize_f32;
+use crate::weights::slices::{head_slice_rows, in_row_slices};
+use crate::weights::unpack::dequantize_f32;
 use crate::weights::{GatheredRows, QuantizedWeights};
 
 /// One table in the files: its weight and, when packed, its scales and

@@ -10,10 +10,10 @@ use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::{broadcast_to, concatenate, maximum, ones, select};
 use mlx_rs::{Array, Dtype};
 
-use crate::cache::LayerMask;
 use crate::error::Result;
-use crate::fused::exp_shifted;
-use crate::row_groups::{in_row_groups, rows_within};
+use crate::nn::cache::LayerMask;
+use crate::nn::fused::exp_shifted;
+use crate::nn::row_groups::{in_row_groups, rows_within};
 
 /// The f32 bytes of one group of rows' scores (see [`attention`]).
 const SCORES_BYTES: usize = 8 << 20;

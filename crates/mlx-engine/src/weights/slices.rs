@@ -6,7 +6,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use crate::error::Result;
-use crate::row_groups::rows_within;
+use crate::nn::row_groups::rows_within;
 
 /// The f32 bytes of the slice of rows in which a packed matrix is
 /// unpacked for a product.

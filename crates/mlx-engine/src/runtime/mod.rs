@@ -1,0 +1,8 @@
+//! The engine around a model: the worker thread that owns MLX, its
+//! configuration, batched generation on copies of the prefix's cache, and
+//! chunks run side by side on lanes.
+
+pub(crate) mod engine;
+pub(crate) mod generate;
+pub(crate) mod lanes;
+pub(crate) mod options;
