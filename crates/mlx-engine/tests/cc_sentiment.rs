@@ -10,10 +10,10 @@
 mod common;
 use test_support::gemma4_e2b;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-use mlx_engine::{Message, SpecialTokens, Tokenizer};
+use mlx_engine::Tokenizer;
 use serde_json::json;
 
 const WORDS: usize = 200;
@@ -104,53 +104,12 @@ fn the_example_labels_as_mlx_lm_does_on_the_same_fused_model() {
         .map(PathBuf::from)
         .expect("the example names the fused folder");
 
-    // The same prompts as token ids for mlx_lm, the prefix's cache copied
-    // per conversation, the same label tokens allowed.
+    // The same prompts for mlx_lm, the prefix's cache copied per
+    // conversation, the same label tokens allowed.
     let tokenizer = Tokenizer::load(&fused).unwrap();
-    let system = Message::new("system", system);
-    let prefix = tokenizer
-        .chat_tokens(std::slice::from_ref(&system), false, SpecialTokens::AsText)
-        .unwrap();
-    let suffixes: Vec<Vec<u32>> = texts
-        .iter()
-        .map(|t| {
-            let content = common::gemma_words::user_content(t);
-            let conversation = [system.clone(), Message::new("user", content)];
-            let all = tokenizer
-                .chat_tokens(&conversation, true, SpecialTokens::AsText)
-                .unwrap();
-            all.strip_prefix(prefix.as_slice()).unwrap().to_vec()
-        })
-        .collect();
     let allowed: Vec<u32> = (1..=5)
         .map(|n| *tokenizer.encode(&n.to_string()).unwrap().last().unwrap())
         .collect();
-    let request = dir.path().join("request.json");
-    let body = json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [1],
-                      "allowed": allowed, "batch_only": true});
-    std::fs::write(&request, body.to_string()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_gemma.py");
-    let out = Command::new(&python)
-        .arg(script)
-        .arg(&fused)
-        .arg(&request)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(reference["version"], "0.32.2");
-    let theirs: Vec<String> = reference["batch_greedy"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|ids| {
-            let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
-            tokenizer.decode(&ids).unwrap()
-        })
-        .collect();
+    let theirs = common::gemma_words::mlx_lm_labels(&python, &fused, &system, &texts, &allowed);
     assert_eq!(labels, theirs, "ours vs mlx_lm batch_generate");
 }

@@ -21,12 +21,12 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::gemma_words::{label_ids, user_content, write_tokenizer};
-use common::logits::{run_parity_script, run_script, write_request, Only};
+use common::gemma_words::{label_ids, mlx_lm_labels, user_content, write_tokenizer};
+use common::logits::{run_script, write_request, Only};
 use common::tiny_gemma::{write_gemma4_with, Layout};
 use mlx_engine::{
     EngineConfig, GenerateOptions, LogitsProcessor, Message, MlxEngine, PrefixCache,
-    QuantizedWeights, SpecialTokens, Tokenizer,
+    QuantizedWeights, Tokenizer,
 };
 use mlx_rs::Dtype;
 use serde_json::json;
@@ -137,37 +137,6 @@ fn original_labels(dir: &Path, inputs: &serde_json::Value) -> Vec<String> {
     serde_json::from_value(kept["labels"].clone()).unwrap()
 }
 
-/// mlx_lm 0.32.2's labels with the prefix's own cache.
-fn mlx_lm_clean_labels(python: &str, dir: &Path, system: &str, allowed: &[u32]) -> Vec<String> {
-    let tokenizer = Tokenizer::load(dir).unwrap();
-    let system = Message::new("system", system);
-    let prefix = tokenizer
-        .chat_tokens(std::slice::from_ref(&system), false, SpecialTokens::AsText)
-        .unwrap();
-    let suffixes: Vec<Vec<u32>> = TEXTS
-        .iter()
-        .map(|t| {
-            let conversation = [system.clone(), Message::new("user", user_content(t))];
-            let all = tokenizer
-                .chat_tokens(&conversation, true, SpecialTokens::AsText)
-                .unwrap();
-            all.strip_prefix(prefix.as_slice()).unwrap().to_vec()
-        })
-        .collect();
-    let body = json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [1],
-                      "allowed": allowed, "batch_only": true});
-    let reference = run_parity_script(python, "mlx_lm_gemma.py", dir, &write_request(dir, &body));
-    reference["batch_greedy"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|ids| {
-            let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
-            tokenizer.decode(&ids).unwrap()
-        })
-        .collect()
-}
-
 /// The engine as the cc_sentiment example runs it (batch 2, one token).
 fn engine_labels(
     dir: &Path,
@@ -235,7 +204,7 @@ fn labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without() {
         "with the original's prefix cache: ours vs spawnllm"
     );
 
-    let clean = mlx_lm_clean_labels(&python, dir, &system, &allowed);
+    let clean = mlx_lm_labels(&python, dir, &system, &TEXTS, &allowed);
     let ours = engine_labels(dir, &system, vocab, &allowed, PrefixCache::Clean);
     assert_eq!(ours, clean, "with the clean prefix: ours vs mlx_lm");
     let moved = original.iter().zip(&clean).filter(|(a, b)| a != b).count();

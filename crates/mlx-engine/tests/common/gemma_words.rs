@@ -5,7 +5,10 @@
 
 use std::path::Path;
 
+use mlx_engine::{Message, SpecialTokens, Tokenizer};
 use serde_json::json;
+
+use super::logits::{run_parity_script, write_request};
 
 pub const SPECIALS: [&str; 6] = [
     "<pad>",
@@ -73,4 +76,44 @@ pub fn user_content(text: &str) -> String {
     } else {
         format!("CONVERSATION:\nDEVELOPER: {body}")
     }
+}
+
+/// mlx_lm 0.32.2's one-token labels for `texts` on the model in `dir`:
+/// each conversation is `system` then the user message cc-sentiment builds,
+/// run by `batch_generate` on a copy of the prefix's own cache, with only
+/// the `allowed` tokens left by the processor.
+pub fn mlx_lm_labels(
+    python: &str,
+    dir: &Path,
+    system: &str,
+    texts: &[&str],
+    allowed: &[u32],
+) -> Vec<String> {
+    let tokenizer = Tokenizer::load(dir).unwrap();
+    let system = Message::new("system", system);
+    let prefix = tokenizer
+        .chat_tokens(std::slice::from_ref(&system), false, SpecialTokens::AsText)
+        .unwrap();
+    let suffixes: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| {
+            let conversation = [system.clone(), Message::new("user", user_content(t))];
+            let all = tokenizer
+                .chat_tokens(&conversation, true, SpecialTokens::AsText)
+                .unwrap();
+            all.strip_prefix(prefix.as_slice()).unwrap().to_vec()
+        })
+        .collect();
+    let body = json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 1, "eos": [1],
+                      "allowed": allowed, "batch_only": true});
+    let reference = run_parity_script(python, "mlx_lm_gemma.py", dir, &write_request(dir, &body));
+    reference["batch_greedy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ids| {
+            let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
+            tokenizer.decode(&ids).unwrap()
+        })
+        .collect()
 }
