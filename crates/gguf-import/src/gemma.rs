@@ -19,7 +19,7 @@ use mlx_rs::Array;
 
 use crate::check::{Checked, TensorEntry};
 use crate::error::{Error, Result};
-use crate::import::{save_weights, write_configs, write_json, ImportWeights};
+use crate::output::{save_weights, write_configs, write_json, ImportWeights};
 use crate::quants::dequantize;
 
 /// llama.cpp's local RoPE base and sliding pattern for Gemma 3.

@@ -37,10 +37,12 @@ mod check;
 mod error;
 mod gemma;
 mod import;
+mod output;
 mod quants;
 
 pub use error::{Error, Result};
-pub use import::{import_gguf, ImportWeights};
+pub use import::import_gguf;
+pub use output::ImportWeights;
 
 /// Compiles the README's example with the doc-tests, so that it stays true.
 #[cfg(doctest)]

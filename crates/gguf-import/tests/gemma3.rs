@@ -210,7 +210,10 @@ fn mlx_lm_agrees_with_us_on_the_import() {
         "the reference must be mlx_lm 0.32.2"
     );
 
-    let model = Model::load(&dir, QuantizedWeights::DequantizeF32).unwrap();
+    let model = Model::loader(&dir)
+        .quantized(QuantizedWeights::DequantizeF32)
+        .load()
+        .unwrap();
     let eos = tokenizer.eos_ids().clone();
     let last_logits = |tokens: &[i32]| {
         let logits = model

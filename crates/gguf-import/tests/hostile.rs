@@ -230,7 +230,10 @@ fn a_valid_file_imports_and_loads() {
     std::fs::write(&src, Gguf::tiny().bytes()).unwrap();
     let out = dir.path().join("out");
     import_gguf(&src, &out, ImportWeights::F32).unwrap();
-    let model = Model::load(&out, QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(&out)
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     assert_eq!(model.config().num_hidden_layers, 1);
     assert_eq!(model.config().vocab_size, VOCAB as usize);
     let tokenizer = Tokenizer::load(&out).unwrap();
@@ -458,7 +461,10 @@ fn a_gemma3_file_imports_and_loads_in_both_forms() {
     for weights in [ImportWeights::F32, ImportWeights::Quantized] {
         let out = dir.path().join(format!("{weights:?}"));
         import_gguf(&src, &out, weights).unwrap();
-        let model = Model::load(&out, QuantizedWeights::DequantizeF32).unwrap();
+        let model = Model::loader(&out)
+            .quantized(QuantizedWeights::DequantizeF32)
+            .load()
+            .unwrap();
         assert_eq!(model.config().model_type, "gemma3_text");
         assert_eq!(model.config().num_hidden_layers, 1);
         let logits = model
