@@ -5,6 +5,8 @@
 //!
 //! - [`gemma4_e2b`]: a Gemma 4 checkpoint with E2B's real module shapes and
 //!   random weights, quantized as the published "UD" MLX checkpoints are.
+//! - [`tiny_llama`]: tiny random llama, mistral, qwen2 and qwen3
+//!   checkpoints, the models most engine tests run.
 //! - [`python`]: the interop Python (`MLX_LOWMEM_PYTHON`, which `cargo
 //!   xtask test` sets) if it has the modules a test needs; otherwise the
 //!   test says that it skips.
@@ -17,3 +19,4 @@
 
 pub mod gemma4_e2b;
 pub mod python;
+pub mod tiny_llama;
