@@ -40,6 +40,7 @@ mod blas;
 mod bytes;
 mod checkpoint;
 mod device;
+pub mod distributed;
 mod error;
 mod lora;
 mod memory;
