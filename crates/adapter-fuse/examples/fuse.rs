@@ -15,7 +15,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use adapter_codec::AdapterCodec;
-use adapter_fuse::{FuseOptions, FuseProgress, FuseReporter, ProgressBars};
+use adapter_fuse::{Fuse, FuseOptions, FuseProgress, FuseReporter, ProgressBars};
 use anyhow::{ensure, Context, Result};
 use safetensors::{serialize_to_file, tensor::TensorView, Dtype};
 
@@ -57,15 +57,13 @@ fn fuse(options: &FuseOptions, model: &str, adapter: &Path, out: &Path) -> Resul
         let start = Instant::now();
         let mut hit = false;
         let mut bars = ProgressBars::default();
-        let path = options.ensure_fused_with_progress(
-            model,
-            &codec,
-            "example--fused",
-            |e: FuseProgress| {
+        let path = Fuse::new(model, &codec, "example--fused")
+            .options(options)
+            .progress(|e: FuseProgress| {
                 hit |= e == FuseProgress::Hit;
                 bars.report(e);
-            },
-        )?;
+            })
+            .run()?;
         let what = if hit { "cache hit" } else { "fused" };
         let secs = start.elapsed().as_secs_f64();
         println!("{call} call: {what} in {secs:.3} s → {}", path.display());
@@ -113,8 +111,9 @@ fn self_contained() -> Result<()> {
         adapter.join("adapters.safetensors.zst"),
         adapter.join("adapter_config.json"),
     );
-    let fused_dir =
-        options.ensure_fused(model.to_str().unwrap_or_default(), &codec, "example--fused")?;
+    let fused_dir = Fuse::new(model.to_str().unwrap_or_default(), &codec, "example--fused")
+        .options(&options)
+        .run()?;
     let bytes = std::fs::read(fused_dir.join("model.safetensors"))?;
     let fused = safetensors::SafeTensors::deserialize(&bytes)?;
     let got: Vec<f32> = fused

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use adapter_codec::AdapterCodec;
-use adapter_fuse::{FuseOptions, FuseProgress};
+use adapter_fuse::{Fuse, FuseOptions, FuseProgress};
 use anyhow::{bail, Context, Result};
 
 fn main() -> Result<()> {
@@ -57,14 +57,17 @@ fn fuse(
         .with_cache_root(cache)
         .with_offline(true);
     let mut events = Vec::new();
-    let path = options.ensure_fused_with_progress(repo, &codec, namespace, |e: FuseProgress| {
-        println!("EVENT {e:?}");
-        let _ = std::io::stdout().flush();
-        events.push(e);
-        if hold_at == Some(events.len()) {
-            std::thread::sleep(Duration::from_secs(60));
-        }
-    })?;
+    let path = Fuse::new(repo, &codec, namespace)
+        .options(&options)
+        .progress(|e: FuseProgress| {
+            println!("EVENT {e:?}");
+            let _ = std::io::stdout().flush();
+            events.push(e);
+            if hold_at == Some(events.len()) {
+                std::thread::sleep(Duration::from_secs(60));
+            }
+        })
+        .run()?;
     println!("PATH {}", path.display());
     println!("PUBLISHED {}", events.contains(&FuseProgress::Published));
     Ok(())

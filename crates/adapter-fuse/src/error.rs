@@ -72,3 +72,19 @@ pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Err
     let path = path.into();
     move |source| Error::Io { path, source }
 }
+
+/// The adapter type's errors as this crate's: the same path and message.
+impl From<block_stream::Error> for Error {
+    fn from(e: block_stream::Error) -> Error {
+        match e {
+            block_stream::Error::Adapter { path, message } => Error::Adapter { path, message },
+            block_stream::Error::Io { path, source } => Error::Io { path, source },
+            block_stream::Error::Safetensors(e) => Error::Safetensors(e),
+            block_stream::Error::Mlx(e) => Error::Mlx(e),
+            other => Error::Adapter {
+                path: std::path::PathBuf::new(),
+                message: other.to_string(),
+            },
+        }
+    }
+}

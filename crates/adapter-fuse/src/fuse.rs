@@ -12,8 +12,8 @@ use mlx_support::{
 };
 use st_mmap::{SafetensorsFile, SafetensorsSet, TensorInfo, TensorView};
 
-use crate::adapter::LoraAdapter;
 use crate::error::{io, Error, Result};
+use block_stream::MlxLmAdapter;
 
 fn array(view: &TensorView<'_>) -> Result<Array> {
     array_from_bytes(view.name, view.dtype, view.shape, view.data).map_err(support_err)
@@ -39,14 +39,14 @@ type Fused = HashMap<String, Vec<u8>>;
 /// with the module's own group size and bits.
 fn fuse_module(
     module: &str,
-    adapter: &LoraAdapter,
+    adapter: &MlxLmAdapter,
     base: &SafetensorsSet,
     quant: Option<Quantization>,
 ) -> Result<Fused> {
     let _span = tracing::debug_span!("fuse_module", module).entered();
-    let (a_key, b_key) = &adapter.pairs[module];
-    let a_view = adapter.file.tensor(a_key).expect("indexed");
-    let b_view = adapter.file.tensor(b_key).expect("indexed");
+    let (a_key, b_key) = &adapter.pairs()[module];
+    let a_view = adapter.file().tensor(a_key).expect("indexed");
+    let b_view = adapter.file().tensor(b_key).expect("indexed");
     let weight_key = format!("{module}.weight");
     let w_view = base
         .tensor(&weight_key)
@@ -72,7 +72,7 @@ fn fuse_module(
     let lora = Lora {
         a: &a,
         b: &b,
-        scale: adapter.scale,
+        scale: adapter.scale(),
         layout: LoraLayout::MlxLm,
     };
     let fused = fuse_lora(&stored, quant, lora).map_err(|e| match e {
@@ -247,7 +247,7 @@ fn write_pieces(
 /// folder to `out`. `progress(done, total)` counts modules.
 pub(crate) fn fuse_model(
     base_dir: &Path,
-    adapter: &LoraAdapter,
+    adapter: &MlxLmAdapter,
     out: &Path,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<()> {
@@ -269,11 +269,11 @@ pub(crate) fn fuse_model(
 
     // Which module each base tensor belongs to, for the tensors fusing touches.
     let mut touched: HashMap<String, String> = HashMap::new();
-    for module in adapter.pairs.keys() {
+    for module in adapter.pairs().keys() {
         let weight = format!("{module}.weight");
         if base.tensor(&weight).is_none() {
             return Err(Error::NoBaseWeight {
-                key: adapter.pairs[module].0.clone(),
+                key: adapter.pairs()[module].0.clone(),
                 weight,
             });
         }
@@ -282,7 +282,7 @@ pub(crate) fn fuse_model(
         }
     }
     fs::create_dir_all(out).map_err(io(out))?;
-    let total = adapter.pairs.len();
+    let total = adapter.pairs().len();
     let mut done = 0;
     let mut pending: HashMap<String, Vec<u8>> = HashMap::new();
     let mut weight_map = BTreeMap::new();

@@ -31,11 +31,12 @@
 //! // it; `adapter_fuse::ensure_fused` does the same in one call.
 //! let options = adapter_fuse::FuseOptions::from_env();
 //! # let options = options.with_cache_root(tmp.path().join("hub"));
-//! let fused = options.ensure_fused(model_repo, &codec, "acme--fused")?;
+//! let fuse = || adapter_fuse::Fuse::new(model_repo, &codec, "acme--fused").options(&options);
+//! let fused = fuse().run()?;
 //! assert!(fused.join("model.safetensors").is_file());
 //! // The entry is keyed by the adapter's digest; the next call is a hit.
 //! assert!(fused.ends_with(format!("snapshots/{}", codec.digest()?)));
-//! assert_eq!(options.ensure_fused(model_repo, &codec, "acme--fused")?, fused);
+//! assert_eq!(fuse().run()?, fused);
 //! # Ok(())
 //! # }
 //! ```
@@ -55,9 +56,9 @@
 //!
 //! spawnllm's `ensure_fused(model_repo, *, codec, cache_namespace,
 //! tqdm_class=None)` is [`ensure_fused`]`(model_repo, &codec,
-//! cache_namespace)`; progress goes to [`ensure_fused_with_progress`] with a
-//! closure or [`ProgressBars`]; the cache, hub and offline switch can be
-//! passed explicitly with [`FuseOptions`].
+//! cache_namespace)`; [`Fuse`] is the same with progress (a closure or
+//! [`ProgressBars`] in place of `tqdm_class`) and explicit
+//! [`FuseOptions`] (cache, hub, offline switch).
 //!
 //! # Errors
 //!
@@ -65,7 +66,6 @@
 //! weight, shapes that do not fit (with both shapes), a missing `scale`, an
 //! offline miss, a failed download.
 
-mod adapter;
 mod base;
 mod cache;
 mod error;
@@ -80,7 +80,7 @@ pub use cache::hub_cache_root;
 pub use error::{Error, Result};
 pub use options::{FuseOptions, DEFAULT_STALL_TIMEOUT};
 
-/// What [`ensure_fused_with_progress`] is doing.
+/// What a [`Fuse`] is doing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FuseProgress {
@@ -109,7 +109,7 @@ impl<F: FnMut(FuseProgress)> FuseReporter for F {
     }
 }
 
-/// Terminal progress for [`ensure_fused_with_progress`]: a spinner while
+/// Terminal progress for [`Fuse::progress`]: a spinner while
 /// downloading and waiting, a bar while fusing.
 #[derive(Debug, Default)]
 pub struct ProgressBars {
@@ -158,43 +158,114 @@ impl ProgressBars {
     }
 }
 
-/// Returns the fused model's snapshot folder, fusing on a miss. See the
-/// crate docs for the cache layout and its guarantees. The cache, hub and
-/// offline switch come from the environment ([`FuseOptions::from_env`]);
-/// [`FuseOptions::ensure_fused`] takes them explicitly.
+/// Returns the fused model's snapshot folder, fusing on a miss: the
+/// Python original's `ensure_fused(model_repo, codec=…, cache_namespace=…)`.
+/// See the crate docs for the cache layout and its guarantees. The cache,
+/// hub and offline switch come from the environment
+/// ([`FuseOptions::from_env`]); [`Fuse`] takes them explicitly, and a
+/// progress reporter.
 pub fn ensure_fused(
     model_repo: &str,
     codec: &AdapterCodec,
     cache_namespace: &str,
 ) -> Result<PathBuf> {
-    FuseOptions::from_env().ensure_fused(model_repo, codec, cache_namespace)
+    Fuse::new(model_repo, codec, cache_namespace).run()
 }
 
-/// [`ensure_fused`], reporting progress to `reporter` (a closure, or
-/// [`ProgressBars`] for a terminal).
-pub fn ensure_fused_with_progress(
-    model_repo: &str,
-    codec: &AdapterCodec,
-    cache_namespace: &str,
-    reporter: impl FuseReporter,
-) -> Result<PathBuf> {
-    FuseOptions::from_env().ensure_fused_with_progress(model_repo, codec, cache_namespace, reporter)
+/// One fuse, set up then [`run`](Self::run): which base, adapter and cache
+/// entry, with which options, reporting progress to whom.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use adapter_fuse::{Fuse, FuseOptions, ProgressBars};
+///
+/// let codec = adapter_codec::AdapterCodec::new("adapters.safetensors.zst", "adapter_config.json");
+/// let options = FuseOptions::from_env().with_offline(true);
+/// let fused = Fuse::new("mlx-community/SmolLM2-135M-Instruct", &codec, "acme--fused")
+///     .options(&options)
+///     .progress(ProgressBars::default())
+///     .run()?;
+/// # Ok(())
+/// # }
+/// ```
+#[must_use = "a fuse does nothing until `run` is called"]
+pub struct Fuse<'a> {
+    model_repo: &'a str,
+    codec: &'a AdapterCodec,
+    cache_namespace: &'a str,
+    options: Option<&'a FuseOptions>,
+    reporter: Option<Box<dyn FuseReporter + 'a>>,
+}
+
+impl std::fmt::Debug for Fuse<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fuse")
+            .field("model_repo", &self.model_repo)
+            .field("cache_namespace", &self.cache_namespace)
+            .field("options", &self.options)
+            .field("reporter", &self.reporter.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Fuse<'a> {
+    /// Fuses `codec`'s adapter into `model_repo` (a hub repo id, or a local
+    /// model folder) under the cache entry `cache_namespace`, with options
+    /// from the environment and no progress reporting unless told.
+    pub fn new(model_repo: &'a str, codec: &'a AdapterCodec, cache_namespace: &'a str) -> Fuse<'a> {
+        Fuse {
+            model_repo,
+            codec,
+            cache_namespace,
+            options: None,
+            reporter: None,
+        }
+    }
+
+    /// The cache root, hub, offline switch and stall timeout to use instead
+    /// of the environment's.
+    pub fn options(mut self, options: &'a FuseOptions) -> Fuse<'a> {
+        self.options = Some(options);
+        self
+    }
+
+    /// Reports progress to `reporter` (a closure `FnMut(FuseProgress)`, or
+    /// [`ProgressBars`] for a terminal), on the calling thread.
+    pub fn progress(mut self, reporter: impl FuseReporter + 'a) -> Fuse<'a> {
+        self.reporter = Some(Box::new(reporter));
+        self
+    }
+
+    /// Returns the fused model's snapshot folder, fusing on a miss.
+    ///
+    /// # Errors
+    /// [`Error`], naming the repo, file and key.
+    pub fn run(self) -> Result<PathBuf> {
+        let from_env;
+        let options = match self.options {
+            Some(options) => options,
+            None => {
+                from_env = FuseOptions::from_env();
+                &from_env
+            }
+        };
+        let mut reporter = self.reporter;
+        let mut report = |event: FuseProgress| {
+            if let Some(reporter) = reporter.as_mut() {
+                reporter.report(event);
+            }
+        };
+        options.fuse(
+            self.model_repo,
+            self.codec,
+            self.cache_namespace,
+            &mut report,
+        )
+    }
 }
 
 impl FuseOptions {
-    /// [`ensure_fused`](crate::ensure_fused) with these options.
-    pub fn ensure_fused(
-        &self,
-        model_repo: &str,
-        codec: &AdapterCodec,
-        cache_namespace: &str,
-    ) -> Result<PathBuf> {
-        self.ensure_fused_with_progress(model_repo, codec, cache_namespace, |_| {})
-    }
-
-    /// [`ensure_fused_with_progress`](crate::ensure_fused_with_progress)
-    /// with these options.
-    pub fn ensure_fused_with_progress(
+    fn fuse(
         &self,
         model_repo: &str,
         codec: &AdapterCodec,
@@ -234,12 +305,11 @@ impl FuseOptions {
         let config = adapter_dir.join("adapter_config.json");
         std::fs::write(&config, codec.config_bytes()?).map_err(error::io(&config))?;
         let built = work.path().join("snapshot");
-        let adapter = adapter::LoraAdapter::open(
+        // Errors name the shipped files, not their decoded copies here.
+        let adapter = block_stream::MlxLmAdapter::open_named(
             &adapter_dir,
-            &adapter::Names {
-                config: codec.config_path().to_path_buf(),
-                weights: codec.zst_path().to_path_buf(),
-            },
+            codec.config_path(),
+            codec.zst_path(),
         )?;
         fuse::fuse_model(&base, &adapter, &built, &mut |done, total| {
             progress(FuseProgress::Fusing { done, total })

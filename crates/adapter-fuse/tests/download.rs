@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use adapter_codec::AdapterCodec;
-use adapter_fuse::{Error, FuseOptions};
+use adapter_fuse::{Error, Fuse, FuseOptions};
 
 const REPO: &str = "org/remote-base";
 const SHA: &str = "feedfacefeedfacefeedfacefeedfacefeedface";
@@ -200,8 +200,9 @@ fn base_is_downloaded_once_then_used_offline() {
     let (endpoint, hits) = serve(files);
     let (dir, root, options) = hub_at(&endpoint);
 
-    let fused = options
-        .ensure_fused(REPO, &codec(&dir.path().join("a1"), 1.0), "org--fused")
+    let fused = Fuse::new(REPO, &codec(&dir.path().join("a1"), 1.0), "org--fused")
+        .options(&options)
+        .run()
         .unwrap();
     assert!(hits.load(Ordering::SeqCst) > 0, "nothing was downloaded");
     let base = root.join("models--org--remote-base");
@@ -230,8 +231,9 @@ fn base_is_downloaded_once_then_used_offline() {
     // A second adapter: the base comes from the cache, with the hub forbidden.
     let offline = options.with_offline(true);
     let before = hits.load(Ordering::SeqCst);
-    offline
-        .ensure_fused(REPO, &codec(&dir.path().join("a2"), 3.0), "org--fused")
+    Fuse::new(REPO, &codec(&dir.path().join("a2"), 3.0), "org--fused")
+        .options(&offline)
+        .run()
         .unwrap();
     assert_eq!(
         hits.load(Ordering::SeqCst),
@@ -244,13 +246,14 @@ fn base_is_downloaded_once_then_used_offline() {
 fn unknown_repo_is_a_download_error() {
     let (endpoint, _) = serve(HashMap::new());
     let (dir, _root, options) = hub_at(&endpoint);
-    let err = options
-        .ensure_fused(
-            "org/missing",
-            &codec(&dir.path().join("a"), 1.0),
-            "org--fused",
-        )
-        .unwrap_err();
+    let err = Fuse::new(
+        "org/missing",
+        &codec(&dir.path().join("a"), 1.0),
+        "org--fused",
+    )
+    .options(&options)
+    .run()
+    .unwrap_err();
     assert!(
         matches!(&err, Error::Download { repo, .. } if repo == "org/missing"),
         "{err}"
@@ -278,8 +281,9 @@ fn interrupted_download_is_an_error_then_resumes() {
     let (dir, root, options) = hub_at(&endpoint);
     let codec = codec(&dir.path().join("a"), 1.0);
 
-    let err = options
-        .ensure_fused(REPO, &codec, "org--fused")
+    let err = Fuse::new(REPO, &codec, "org--fused")
+        .options(&options)
+        .run()
         .unwrap_err();
     assert!(
         matches!(&err, Error::Download { repo, .. } if repo == REPO),
@@ -302,7 +306,10 @@ fn interrupted_download_is_an_error_then_resumes() {
 
     // The hub answers in full now: the next call completes the download
     // (hf-hub resumes from its partial file) and fuses the whole weights.
-    let fused = options.ensure_fused(REPO, &codec, "org--fused").unwrap();
+    let fused = Fuse::new(REPO, &codec, "org--fused")
+        .options(&options)
+        .run()
+        .unwrap();
     assert_eq!(
         std::fs::read(snapshot.join("model.safetensors")).unwrap(),
         weights
@@ -335,7 +342,10 @@ fn silent_hub() -> String {
 /// within a bound of its stall timeout.
 fn assert_stalls(options: &FuseOptions, codec: &AdapterCodec, file: &str) {
     let start = std::time::Instant::now();
-    let err = options.ensure_fused(REPO, codec, "org--fused").unwrap_err();
+    let err = Fuse::new(REPO, codec, "org--fused")
+        .options(options)
+        .run()
+        .unwrap_err();
     let took = start.elapsed();
     assert!(
         matches!(&err, Error::Stalled { repo, file: f, .. } if repo == REPO && f == file),
@@ -390,9 +400,9 @@ fn a_download_that_stops_mid_body_is_a_stall_error_then_resumes() {
     // (up to 5 s, so this call allows more than a second of silence) for
     // the abandoned reader to let go of the file when the hub closes that
     // connection, resumes the download and the fuse completes.
-    let fused = options
-        .with_stall_timeout(std::time::Duration::from_secs(10))
-        .ensure_fused(REPO, &codec, "org--fused")
+    let fused = Fuse::new(REPO, &codec, "org--fused")
+        .options(&options.with_stall_timeout(std::time::Duration::from_secs(10)))
+        .run()
         .unwrap();
     let snapshot = root.join("models--org--remote-base/snapshots").join(SHA);
     assert_eq!(

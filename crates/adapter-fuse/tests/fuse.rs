@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use adapter_fuse::{Error, FuseProgress};
+use adapter_fuse::{Error, Fuse, FuseProgress};
 use half::bf16;
 use mlx_rs::Array;
 use st_mmap::SafetensorsFile;
@@ -21,9 +21,10 @@ fn dense_f32_fuse_then_hit() {
     let digest = codec.digest().unwrap();
 
     let mut events = Vec::new();
-    let path = s
-        .options
-        .ensure_fused_with_progress(REPO, &codec, NS, |e| events.push(e))
+    let path = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .progress(|e| events.push(e))
+        .run()
         .unwrap();
     let entry = s.root.join(format!("models--{NS}-{digest}"));
     assert_eq!(path, entry.join("snapshots").join(&digest));
@@ -75,8 +76,10 @@ fn dense_f32_fuse_then_hit() {
 
     let mut events = Vec::new();
     assert_eq!(
-        s.options
-            .ensure_fused_with_progress(REPO, &codec, NS, |e| events.push(e))
+        Fuse::new(REPO, &codec, NS)
+            .options(&s.options)
+            .progress(|e| events.push(e))
+            .run()
             .unwrap(),
         path
     );
@@ -106,7 +109,10 @@ fn bf16_base_is_fused_in_its_dtype() {
         ],
     );
     let (codec, a, b) = adapter(&s.adapter_dir, CONFIG);
-    let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
+    let path = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap();
     let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
     let view = fused.tensor(&format!("{Q}.weight")).unwrap();
     assert_eq!(view.dtype, st_mmap::Dtype::BF16);
@@ -152,7 +158,10 @@ fn quantized_case(bits: i32) {
         ],
     );
     let (codec, a, b) = adapter(&s.adapter_dir, CONFIG);
-    let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
+    let path = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap();
 
     let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
     let load = |key: &str| {
@@ -265,7 +274,10 @@ fn per_module_quantization_overrides_are_honoured() {
         })
         .collect();
     let codec = encode_adapter(&s.adapter_dir, safetensors_bytes(&lora), CONFIG);
-    let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
+    let path = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap();
 
     let fused = SafetensorsFile::open(path.join("model.safetensors")).unwrap();
     let load = |key: String| {
@@ -347,9 +359,10 @@ fn half_written_entry_is_not_a_hit() {
     std::fs::create_dir_all(&snapshot).unwrap();
     std::fs::write(snapshot.join("config.json"), "{}").unwrap();
     let mut events = Vec::new();
-    let path = s
-        .options
-        .ensure_fused_with_progress(REPO, &codec, NS, |e| events.push(e))
+    let path = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .progress(|e| events.push(e))
+        .run()
         .unwrap();
     assert!(events.contains(&FuseProgress::Published), "{events:?}");
     assert!(path.join("model.safetensors").is_file());
@@ -372,7 +385,10 @@ fn leftovers_of_a_killed_fuse_are_cleared() {
     let stale = s.root.join(format!(".fuse-{digest}-killed"));
     std::fs::create_dir_all(stale.join("snapshot")).unwrap();
     std::fs::write(stale.join("snapshot/model.safetensors"), b"half").unwrap();
-    let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
+    let path = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap();
     assert!(!stale.exists(), "the stale work folder is removed");
     assert!(SafetensorsFile::open(path.join("model.safetensors")).is_ok());
 }
@@ -389,9 +405,9 @@ fn a_base_cut_short_while_fusing_is_an_io_error_and_leaves_nothing() {
     let bytes = std::fs::read(&blob).unwrap();
     let data_start = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap());
     let mut cut = false;
-    let err = s
-        .options
-        .ensure_fused_with_progress(REPO, &codec, NS, |e: FuseProgress| {
+    let err = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .progress(|e: FuseProgress| {
             if matches!(e, FuseProgress::Fusing { .. }) && !cut {
                 // Keep the header (it is read through the map); drop the data.
                 let file = std::fs::OpenOptions::new().write(true).open(&blob).unwrap();
@@ -399,6 +415,7 @@ fn a_base_cut_short_while_fusing_is_an_io_error_and_leaves_nothing() {
                 cut = true;
             }
         })
+        .run()
         .unwrap_err();
     assert!(cut, "no Fusing event came");
     match &err {
@@ -433,7 +450,10 @@ fn corrupt_adapter_is_a_codec_error_and_leaves_no_entry() {
     let cut = bytes.len() / 2;
     bytes.truncate(cut);
     std::fs::write(&zst, bytes).unwrap();
-    let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
+    let err = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap_err();
     assert!(matches!(err, Error::Codec(_)), "{err}");
     let entries: Vec<_> = std::fs::read_dir(&s.root)
         .unwrap()
@@ -462,7 +482,10 @@ fn adapter_key_without_base_weight_is_named() {
         ],
     );
     let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
-    let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
+    let err = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap_err();
     assert!(
         matches!(&err, Error::NoBaseWeight { weight, .. } if weight == &format!("{Q}.weight")),
         "{err}"
@@ -487,7 +510,10 @@ fn shape_mismatch_names_both_shapes() {
         ],
     );
     let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
-    let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
+    let err = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap_err();
     assert!(
         matches!(&err, Error::ShapeMismatch { a, b, base, .. } if a == &[IN as i32, RANK as i32] && b == &[RANK as i32, OUT as i32] && base == &[OUT as i32, IN as i32 + 1]),
         "{err}"
@@ -502,7 +528,10 @@ fn missing_scale_is_an_error() {
         &s.adapter_dir,
         r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 4}}"#,
     );
-    let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
+    let err = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap_err();
     assert!(
         matches!(&err, Error::Adapter { message, .. } if message.contains("scale")),
         "{err}"
@@ -527,7 +556,10 @@ fn non_finite_adapters_are_errors_and_publish_nothing() {
         let s = setup();
         dense_base(&s.root);
         let (codec, _, _) = adapter_with_b(&s.adapter_dir, vec![value; RANK * OUT], config);
-        let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
+        let err = Fuse::new(REPO, &codec, NS)
+            .options(&s.options)
+            .run()
+            .unwrap_err();
         assert!(
             matches!(&err, Error::NotFinite { module, .. } if module == Q),
             "{value}: {err}"
@@ -548,7 +580,10 @@ fn non_finite_adapters_are_errors_and_publish_nothing() {
         vec![0.5; RANK * OUT],
         r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 4, "scale": 1e308}}"#,
     );
-    let err = s.options.ensure_fused(REPO, &codec, NS).unwrap_err();
+    let err = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap_err();
     assert!(
         matches!(&err, Error::Adapter { message, .. } if message.contains("finite")),
         "{err}"
@@ -559,11 +594,9 @@ fn non_finite_adapters_are_errors_and_publish_nothing() {
 fn offline_miss_is_an_error_not_a_download() {
     let s = setup();
     let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
-    let err = s
-        .options
-        .clone()
-        .with_offline(true)
-        .ensure_fused("org/not-cached", &codec, NS)
+    let err = Fuse::new("org/not-cached", &codec, NS)
+        .options(&s.options.clone().with_offline(true))
+        .run()
         .unwrap_err();
     assert!(
         matches!(&err, Error::Offline { repo, .. } if repo == "org/not-cached"),
@@ -586,7 +619,10 @@ fn huggingface_hub_resolves_the_fused_entry() {
     let s = setup();
     dense_base(&s.root);
     let (codec, _, _) = adapter(&s.adapter_dir, CONFIG);
-    let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
+    let path = Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap();
     let digest = codec.digest().unwrap();
     let script = "import sys; from huggingface_hub import snapshot_download; \
                   print(snapshot_download(sys.argv[1], cache_dir=sys.argv[2], local_files_only=True))";

@@ -122,9 +122,9 @@ fn mlx_lm_loads_our_fused_model_and_it_equals_mlx_lm_fuse() {
         adapter.join("adapter_config.json"),
     );
     codec.encode(adapter.join("adapters.safetensors")).unwrap();
-    let ours = adapter_fuse::FuseOptions::from_env()
-        .with_cache_root(&hub)
-        .ensure_fused(base.to_str().unwrap(), &codec, "interop--fused")
+    let ours = adapter_fuse::Fuse::new(base.to_str().unwrap(), &codec, "interop--fused")
+        .options(&adapter_fuse::FuseOptions::from_env().with_cache_root(&hub))
+        .run()
         .unwrap();
 
     let fuse = Command::new(&python)

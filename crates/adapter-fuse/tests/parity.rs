@@ -160,9 +160,9 @@ fn parity(case: &str, dtype: Dtype, adapter_dtype: Dtype, quant: Option<(i32, i3
     codec
         .encode(c.adapter_dir().join("adapters.safetensors"))
         .unwrap();
-    let ours = adapter_fuse::FuseOptions::from_env()
-        .with_cache_root(c.dir.path().join("hub"))
-        .ensure_fused(c.base_dir().to_str().unwrap(), &codec, "parity--fused")
+    let ours = adapter_fuse::Fuse::new(c.base_dir().to_str().unwrap(), &codec, "parity--fused")
+        .options(&adapter_fuse::FuseOptions::from_env().with_cache_root(c.dir.path().join("hub")))
+        .run()
         .unwrap();
     let reference = c.reference(&python, &[]);
     c.compare(case, &ours, &reference);

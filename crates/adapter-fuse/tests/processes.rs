@@ -112,7 +112,10 @@ fn a_lock_left_by_a_killed_process_does_not_block() {
     // The holder dies without releasing anything itself.
     holder.kill().unwrap();
     holder.wait().unwrap();
-    let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
+    let path = adapter_fuse::Fuse::new(REPO, &codec, NS)
+        .options(&s.options)
+        .run()
+        .unwrap();
     assert!(path.join("model.safetensors").is_file());
 }
 
@@ -174,8 +177,9 @@ fn a_process_killed_at_any_step_leaves_no_entry_and_the_next_call_fuses() {
         let s = setup();
         let codec = four_module_base_and_adapter(&s);
         std::fs::read(
-            s.options
-                .ensure_fused(REPO, &codec, NS)
+            adapter_fuse::Fuse::new(REPO, &codec, NS)
+                .options(&s.options)
+                .run()
                 .unwrap()
                 .join("model.safetensors"),
         )
@@ -218,7 +222,10 @@ fn a_process_killed_at_any_step_leaves_no_entry_and_the_next_call_fuses() {
             !entry.join("refs/main").exists(),
             "killed after {kill_after} events, yet an entry is complete"
         );
-        let path = s.options.ensure_fused(REPO, &codec, NS).unwrap();
+        let path = adapter_fuse::Fuse::new(REPO, &codec, NS)
+            .options(&s.options)
+            .run()
+            .unwrap();
         let fused = std::fs::read(path.join("model.safetensors")).unwrap();
         assert!(
             fused == clean,

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use adapter_codec::AdapterCodec;
-use adapter_fuse::{Error, FuseOptions};
+use adapter_fuse::{Error, Fuse, FuseOptions};
 use st_mmap::SafetensorsSet;
 
 fn shipped(test: &str) -> Option<PathBuf> {
@@ -139,9 +139,9 @@ fn the_shipped_adapter_fuses_into_gemma4_as_the_python_original_does() {
     // spawnllm names the entry by the first 16 hex digits of the .zst's
     // sha256: the same name here, so either side's entry is a hit for both.
     assert_eq!(codec.digest().unwrap(), "2bce2896b3194b3f");
-    let ours = FuseOptions::from_env()
-        .with_cache_root(&hub)
-        .ensure_fused(base.to_str().unwrap(), &codec, "cc-sentiment--fused")
+    let ours = Fuse::new(base.to_str().unwrap(), &codec, "cc-sentiment--fused")
+        .options(&FuseOptions::from_env().with_cache_root(&hub))
+        .run()
         .unwrap();
     eprintln!("fused here by {:.1?}", clock.elapsed());
     assert!(
@@ -279,14 +279,14 @@ fn the_shipped_adapter_on_a_base_of_other_shapes_is_a_typed_error() {
     .unwrap();
     std::fs::write(base.join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
 
-    let err = FuseOptions::from_env()
-        .with_cache_root(&hub)
-        .ensure_fused(
-            base.to_str().unwrap(),
-            &codec(&shipped),
-            "cc-sentiment--fused",
-        )
-        .unwrap_err();
+    let err = Fuse::new(
+        base.to_str().unwrap(),
+        &codec(&shipped),
+        "cc-sentiment--fused",
+    )
+    .options(&FuseOptions::from_env().with_cache_root(&hub))
+    .run()
+    .unwrap_err();
     match &err {
         Error::ShapeMismatch {
             key,
@@ -321,10 +321,13 @@ fn the_shipped_adapter_on_a_base_of_other_shapes_is_a_typed_error() {
     let other = dir.path().join("other");
     std::fs::create_dir_all(&other).unwrap();
     let (codec, _, _) = common::adapter(&other, common::CONFIG);
-    let fused = FuseOptions::from_env()
-        .with_cache_root(&hub)
-        .with_offline(true)
-        .ensure_fused(common::REPO, &codec, common::NS)
+    let fused = Fuse::new(common::REPO, &codec, common::NS)
+        .options(
+            &FuseOptions::from_env()
+                .with_cache_root(&hub)
+                .with_offline(true),
+        )
+        .run()
         .unwrap();
     assert!(fused.join("config.json").is_file());
 }

@@ -58,6 +58,17 @@ pub enum Error {
         param: String,
         message: String,
     },
+    /// An mlx_lm adapter folder that cannot be used: its config or its
+    /// pairs (see [`MlxLmAdapter::open`](crate::MlxLmAdapter::open)).
+    #[error("{path}: {message}")]
+    Adapter { path: PathBuf, message: String },
+    /// Reading a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// An MLX operation failed.
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),

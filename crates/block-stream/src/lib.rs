@@ -65,11 +65,13 @@
 //! bind and leaves the module unchanged; LoRA sources without a fuser are an
 //! error, not silently ignored.
 
+mod adapter;
 mod error;
 mod loader;
 mod lora;
 mod streamer;
 
+pub use adapter::MlxLmAdapter;
 pub use error::{Error, Result};
 pub use lora::{
     BlockLoraSource, CheckpointLoraFuser, DenseLoraFuser, LoraFuser, LoraPair, QuantizedLoraFuser,

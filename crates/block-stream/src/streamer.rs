@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use mlx_rs::module::ModuleParameters;
 use mlx_rs::{Array, Dtype};
@@ -27,7 +28,7 @@ use crate::loader::LazyFile;
 /// The files must not change while the streamer or any array loaded from
 /// it is alive (headers are validated once, at [`new`](Self::new)).
 pub struct BlockStreamer {
-    set: SafetensorsSet,
+    set: Arc<SafetensorsSet>,
     prefix: BlockPrefix,
     index: BlockIndex,
     fuser: Option<Box<dyn LoraFuser>>,
@@ -66,12 +67,23 @@ impl BlockStreamer {
             .map(|p| p.as_ref().to_path_buf())
             .collect();
         let set = SafetensorsSet::open_files(&paths)?;
+        BlockStreamer::from_set(Arc::new(set), block_prefix)
+    }
+
+    /// [`new`](Self::new) on a set the caller has already opened (an
+    /// engine that reads the rest of the model from it too): its headers
+    /// are not read again, and its files are mapped once.
+    ///
+    /// # Errors
+    /// A malformed block key, or [`Error::NoBlocks`] when no key starts
+    /// with `block_prefix`.
+    pub fn from_set(set: Arc<SafetensorsSet>, block_prefix: &str) -> Result<BlockStreamer> {
         let prefix = BlockPrefix::new(block_prefix);
         let index = BlockIndex::build(&prefix, set.keys())?;
         if index.is_empty() {
             return Err(Error::NoBlocks {
                 prefix: block_prefix.to_owned(),
-                paths,
+                paths: set.files().iter().map(|f| f.path().to_path_buf()).collect(),
             });
         }
         Ok(BlockStreamer {

@@ -149,6 +149,29 @@ fn unknown_block_lists_the_known_ones() {
     ));
 }
 
+/// A streamer on a set its caller opened reads the same values and shares
+/// the set (the caller's maps are the streamer's).
+#[test]
+fn a_streamer_on_an_open_set_binds_the_same_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = model(dir.path());
+    let set = std::sync::Arc::new(st_mmap::SafetensorsSet::open_files(&paths).unwrap());
+    let mut streamer = BlockStreamer::from_set(set.clone(), PREFIX).unwrap();
+    assert_eq!(std::sync::Arc::strong_count(&set), 2);
+    assert_eq!(streamer.block_count(), 3);
+    let mut m = block();
+    for b in [2, 0, 1] {
+        streamer.bind(&mut m, b, &[]).unwrap();
+        assert_eq!(read(&m.attn.weight), values(b, 0, 24));
+        assert_eq!(read(&m.norm), values(b, 2, 6));
+    }
+    let err = BlockStreamer::from_set(set, "decoder.layers.").unwrap_err();
+    assert!(
+        matches!(&err, Error::NoBlocks { paths: named, .. } if named == &paths),
+        "{err}"
+    );
+}
+
 #[test]
 fn no_block_keys_is_an_error() {
     let dir = tempfile::tempdir().unwrap();

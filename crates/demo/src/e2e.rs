@@ -93,15 +93,12 @@ pub fn fuse(base: &Path, codec: &AdapterCodec) -> Result<PathBuf> {
         let start = Instant::now();
         let mut hit = false;
         let mut bars = adapter_fuse::ProgressBars::default();
-        let path = adapter_fuse::ensure_fused_with_progress(
-            base,
-            codec,
-            "mlx-lowmem--demo",
-            |e: adapter_fuse::FuseProgress| {
+        let path = adapter_fuse::Fuse::new(base, codec, "mlx-lowmem--demo")
+            .progress(|e: adapter_fuse::FuseProgress| {
                 hit |= e == adapter_fuse::FuseProgress::Hit;
                 adapter_fuse::FuseReporter::report(&mut bars, e);
-            },
-        )?;
+            })
+            .run()?;
         println!(
             "{attempt}: {} in {:.2} s -> {}",
             if hit { "cache hit" } else { "fused" },

@@ -153,7 +153,8 @@ fn end_to_end(
         mlx_support::best_device(),
         mlx_engine::MemoryMode::for_model_dir(&fused),
     );
-    let blas_before = mlx_engine::share_blas_threads(lanes);
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let blas_before = mlx_support::set_blas_threads((cores / lanes).max(1));
     println!(
         "{lanes} chunk(s) side by side, OpenBLAS threads each: {}",
         mlx_support::blas_threads().map_or_else(|| "n/a (no OpenBLAS)".into(), |n| n.to_string())
