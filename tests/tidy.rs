@@ -65,6 +65,26 @@ fn no_source_file_is_over_800_lines() {
     assert!(long.is_empty(), "split these files: {long:?}");
 }
 
+/// Library sources stay under the house style's ~600 lines.
+#[test]
+fn no_library_source_file_is_over_600_lines() {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(workspace_root().join("crates"))
+        .unwrap()
+        .flatten()
+    {
+        rust_files(&entry.path().join("src"), &mut files);
+    }
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let lines = fs::read_to_string(f).ok()?.lines().count();
+            (lines > 600).then(|| format!("{} ({lines} lines)", f.display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "split these files by concern: {long:?}");
+}
+
 /// Code one crate's tests share with another's is a crate
 /// (`crates/test-support`, a dev-dependency), not a file included by a
 /// path that climbs out of the crate.
@@ -187,4 +207,123 @@ fn libraries_depend_only_on_libraries_below_them() {
         }
     }
     assert!(checked >= 6, "checked only {checked} library edges");
+}
+
+/// The module a source file is, as a path under its crate (`""` for the
+/// crate root; `None` for binaries, examples and tests).
+fn module_of(src: &Path, file: &Path) -> Option<Vec<String>> {
+    let rel = file.strip_prefix(src).ok()?;
+    let mut parts: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    if parts.first().is_some_and(|p| p == "bin") {
+        return None;
+    }
+    let last = parts.pop()?;
+    match last.as_str() {
+        "lib.rs" | "mod.rs" => {}
+        other => parts.push(other.trim_end_matches(".rs").to_owned()),
+    }
+    Some(parts)
+}
+
+/// The `crate::…` paths a file names (`use` lines and inline paths, with
+/// one level of `{…}` groups), each as its segments.
+fn crate_paths(text: &str) -> Vec<Vec<String>> {
+    let mut paths = Vec::new();
+    let ident = |c: char| c.is_alphanumeric() || c == '_';
+    for (at, _) in text.match_indices("crate::") {
+        // Not part of a longer name (`mlx_crate::`) or a doc link's text.
+        if text[..at].ends_with(|c: char| ident(c) || c == '$') {
+            continue;
+        }
+        let rest = &text[at + "crate::".len()..];
+        let mut prefix = Vec::new();
+        let mut chars = rest;
+        loop {
+            let end = chars.find(|c: char| !ident(c)).unwrap_or(chars.len());
+            if end == 0 {
+                break;
+            }
+            prefix.push(chars[..end].to_owned());
+            chars = &chars[end..];
+            if let Some(next) = chars.strip_prefix("::") {
+                chars = next;
+            } else {
+                break;
+            }
+        }
+        if let Some(group) = chars.strip_prefix('{') {
+            let inner = &group[..group.find('}').unwrap_or(group.len())];
+            for item in inner.split(',') {
+                let mut path = prefix.clone();
+                path.extend(
+                    item.trim()
+                        .split("::")
+                        .map(|s| s.trim().to_owned())
+                        .filter(|s| !s.is_empty() && s.chars().all(ident)),
+                );
+                paths.push(path);
+            }
+        } else {
+            paths.push(prefix);
+        }
+    }
+    paths
+}
+
+/// Inside each crate, no module imports one that imports it back (the
+/// house style: folders by concept, one direction between them).
+#[test]
+fn no_module_imports_one_that_imports_it_back() {
+    let crates = workspace_root().join("crates");
+    let mut circles = Vec::new();
+    for entry in fs::read_dir(&crates).expect("crates/ exists").flatten() {
+        let src = entry.path().join("src");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let modules: Vec<(Vec<String>, PathBuf)> = files
+            .iter()
+            .filter_map(|f| Some((module_of(&src, f)?, f.clone())))
+            .collect();
+        let known: std::collections::BTreeSet<&Vec<String>> =
+            modules.iter().map(|(m, _)| m).collect();
+        let mut edges = std::collections::BTreeSet::new();
+        for (module, file) in &modules {
+            let text = fs::read_to_string(file).unwrap();
+            // Code, not comments (a doc link is not an import), and not the
+            // file's unit tests, which may reach anywhere in the crate.
+            let code = text.split("#[cfg(test)]\nmod tests").next().unwrap_or("");
+            let code: String = code
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            for path in crate_paths(&code) {
+                // The longest prefix of the path that is a module.
+                let target = (0..=path.len())
+                    .rev()
+                    .map(|n| path[..n].to_vec())
+                    .find(|p| known.contains(p));
+                if let Some(target) = target {
+                    if &target != module {
+                        edges.insert((module.join("::"), target.join("::")));
+                    }
+                }
+            }
+        }
+        for (a, b) in &edges {
+            if a < b && edges.contains(&(b.clone(), a.clone())) {
+                circles.push(format!(
+                    "{}: {a} <-> {b}",
+                    entry.file_name().to_string_lossy()
+                ));
+            }
+        }
+    }
+    assert!(
+        circles.is_empty(),
+        "modules that import each other: {circles:#?}"
+    );
 }

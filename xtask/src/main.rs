@@ -12,6 +12,7 @@
 //! installing Debian packages when it can, so each one works on a fresh clone.
 
 mod adapter;
+mod distributed_bench;
 mod fixtures;
 mod memory_limit;
 mod prereqs;
@@ -102,6 +103,27 @@ enum Cmd {
     },
     /// Install the system packages the MLX build needs, and nothing else.
     Prereqs,
+    /// Start PROGRAM on every rank of an MLX job: writes MLX's hostfile,
+    /// picks ports, starts local ranks (ssh for other hosts), prefixes
+    /// their output with `[rank N]`, and ends every rank when one fails.
+    Launch {
+        /// Comma-separated hosts, in rank order.
+        #[arg(long, default_value = "127.0.0.1")]
+        hosts: String,
+        /// Ranks per host.
+        #[arg(short = 'n', default_value_t = 1)]
+        ranks_per_host: usize,
+        /// End every rank after this many seconds.
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// Ports from this one in rank order (default: free ports on
+        /// 127.0.0.1; 32323 on for remote hosts).
+        #[arg(long)]
+        starting_port: Option<u16>,
+        /// The program and its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
     /// Classify under a memory limit smaller than the model (a memory
     /// cgroup made for the run: Linux, as root), once per memory mode, and
     /// report which complete.
@@ -130,6 +152,8 @@ enum Bench {
     /// mlx_lm's arithmetic (bfloat16, MLX's quantized product) against the
     /// CPU default, and mlx_lm's own forward.
     Arithmetic,
+    /// The engine across ranks: memory caps, data parallel, ring hops.
+    Distributed,
 }
 
 fn main() -> std::process::ExitCode {
@@ -188,6 +212,36 @@ fn run(cli: Cli) -> Result<()> {
     std::env::set_current_dir(&root).context("entering the workspace root")?;
     match cli.command {
         Cmd::Prereqs => prereqs::ensure(),
+        Cmd::Launch {
+            hosts,
+            ranks_per_host,
+            timeout,
+            starting_port,
+            command,
+        } => {
+            // The launcher is mlx-support's `mlx-launch`, run from the
+            // caller's folder so that relative program paths mean theirs.
+            let mut cargo = Command::new(cargo_bin());
+            cargo
+                .current_dir(&caller)
+                .arg("run")
+                .arg("--quiet")
+                .arg("--manifest-path")
+                .arg(root.join("Cargo.toml"))
+                .args(["-p", "mlx-support", "--bin", "mlx-launch", "--"])
+                .args(["--hosts", &hosts, "-n", &ranks_per_host.to_string()]);
+            if let Some(t) = timeout {
+                cargo.args(["--timeout", &t.to_string()]);
+            }
+            if let Some(p) = starting_port {
+                cargo.args(["--starting-port", &p.to_string()]);
+            }
+            let status = cargo.arg("--").args(&command).status()?;
+            if !status.success() {
+                bail!("the job failed ({status})");
+            }
+            Ok(())
+        }
         Cmd::MemoryLimit {
             model_dir,
             limit_mb,
@@ -317,6 +371,9 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
     if all || which == Bench::Stream {
         cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
     }
+    if all || which == Bench::Distributed {
+        distributed_bench::run_all(&fixtures::ensure()?)?;
+    }
     if all || which == Bench::Arithmetic {
         cargo(
             &[
@@ -426,6 +483,7 @@ fn test() -> Result<()> {
         &["test", "--workspace", "--doc", "--", "--test-threads=1"],
         &[],
     )?;
+    docs_without_warnings()?;
     examples()?;
     if has_nextest() {
         cargo(
@@ -516,6 +574,21 @@ fn has_nextest() -> bool {
 
 fn cargo_bin() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+/// `cargo doc --no-deps` for the workspace, its warnings (a broken or
+/// private link in a public doc) as errors.
+fn docs_without_warnings() -> Result<()> {
+    eprintln!("xtask: RUSTDOCFLAGS=-D warnings cargo doc --no-deps --workspace");
+    let status = Command::new(cargo_bin())
+        .args(["doc", "--no-deps", "--workspace"])
+        .env("RUSTDOCFLAGS", "-D warnings")
+        .status()
+        .context("running cargo doc")?;
+    if !status.success() {
+        bail!("cargo doc found problems in the docs ({status})");
+    }
+    Ok(())
 }
 
 fn cargo(args: &[&str], extra: &[String]) -> Result<()> {

@@ -19,17 +19,21 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 /// A cgroup made for the run, removed when dropped.
-struct Cgroup {
-    dir: PathBuf,
+pub(crate) struct Cgroup {
+    pub(crate) dir: PathBuf,
     /// `memory.max` (v2) or `memory.limit_in_bytes` (v1).
     limit_file: &'static str,
     v2: bool,
 }
 
 impl Cgroup {
-    fn create(limit: u64) -> Result<Cgroup> {
+    pub(crate) fn create(limit: u64) -> Result<Cgroup> {
+        Cgroup::create_named(&format!("mlx-lowmem-{}", std::process::id()), limit)
+    }
+
+    /// A cgroup `name` under the memory hierarchy's root.
+    pub(crate) fn create_named(name: &str, limit: u64) -> Result<Cgroup> {
         let root = Path::new("/sys/fs/cgroup");
-        let name = format!("mlx-lowmem-{}", std::process::id());
         let (dir, limit_file, v2) = if root.join("cgroup.controllers").exists() {
             let controllers =
                 std::fs::read_to_string(root.join("cgroup.subtree_control")).unwrap_or_default();
@@ -40,10 +44,10 @@ impl Cgroup {
                     root.display()
                 );
             }
-            (root.join(&name), "memory.max", true)
+            (root.join(name), "memory.max", true)
         } else if root.join("memory").is_dir() {
             (
-                root.join("memory").join(&name),
+                root.join("memory").join(name),
                 "memory.limit_in_bytes",
                 false,
             )
@@ -89,7 +93,7 @@ impl Cgroup {
 
     /// OOM kills in the group so far (v2 `memory.events`, v1
     /// `memory.oom_control`).
-    fn oom_kills(&self) -> Option<u64> {
+    pub(crate) fn oom_kills(&self) -> Option<u64> {
         let (file, key) = if self.v2 {
             ("memory.events", "oom_kill")
         } else {

@@ -63,7 +63,10 @@ fn prompt(n: usize) -> Vec<i32> {
 
 /// The median seconds of `runs` forwards, and the last one's logits.
 fn ours(dir: &Path, mode: QuantizedWeights, tokens: &[i32], runs: usize) -> (f64, Array) {
-    let model = Model::load(dir, mode).expect("the bench checkpoint loads");
+    let model = Model::loader(dir)
+        .quantized(mode)
+        .load()
+        .expect("the bench checkpoint loads");
     let input = Array::from_slice(tokens, &[1, tokens.len() as i32]);
     let mut times = Vec::new();
     let mut last = None;

@@ -104,8 +104,9 @@ fn child(
         Some(lanes) => lanes.parse().unwrap(),
         None => mlx_engine::default_lanes(mlx_support::best_device(), memory),
     };
-    mlx_engine::share_blas_threads(lanes);
-    config = config.lanes(lanes);
+    config = config
+        .lanes(lanes)
+        .blas_threads(mlx_engine::BlasThreads::SharedByLanes);
     let engine = MlxEngine::new(config).unwrap();
     engine.ensure_loaded().unwrap();
     let loaded = mlx_support::ProcessMemory::read();

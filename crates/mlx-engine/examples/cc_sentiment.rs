@@ -23,11 +23,11 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use adapter_codec::AdapterCodec;
-use adapter_fuse::FuseOptions;
+use adapter_fuse::{Fuse, FuseOptions};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use mlx_engine::{
-    EngineConfig, GenerateOptions, LogitsProcessor, MemoryMode, Message, MlxEngine, PrefixCache,
+    EngineConfig, GenerateOptions, LogitsProcessor, Message, MlxEngine, PrefixCache,
     QuantizedWeights, Tokenizer,
 };
 use mlx_rs::error::Exception;
@@ -148,19 +148,17 @@ fn main() -> Result<()> {
     if let Some(cache) = &args.cache {
         options = options.with_cache_root(cache);
     }
-    let fused = options
-        .ensure_fused(&args.base, &codec, "cc-sentiment--fused")
+    let fused = Fuse::new(&args.base, &codec, "cc-sentiment--fused")
+        .options(&options)
+        .run()
         .context("fusing the adapter")?;
     eprintln!("fused model: {}", fused.display());
 
-    // Nothing else runs MLX work now: OpenBLAS's cores shared out between
-    // the chunks the engine will run side by side.
-    mlx_engine::share_blas_threads(mlx_engine::default_lanes(
-        mlx_support::best_device(),
-        MemoryMode::for_model_dir(&fused),
-    ));
     let system = Message::new("system", system);
+    // OpenBLAS's cores shared out between the chunks the engine runs side
+    // by side: nothing else runs MLX work in this program.
     let mut config = EngineConfig::new(&fused)
+        .blas_threads(mlx_engine::BlasThreads::SharedByLanes)
         .prefix_messages(vec![system.clone()])
         .batch_size(args.batch_size)
         .logits_processor(Box::new(|tokenizer: &Tokenizer| {

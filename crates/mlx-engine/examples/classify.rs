@@ -73,13 +73,11 @@ fn main() -> Result<()> {
         Memory::Mapped => MemoryMode::MappedTables,
         Memory::Streamed => MemoryMode::Streamed,
     };
-    config = config.memory(memory);
-    // Before any MLX work: OpenBLAS's cores shared out between the chunks
-    // the engine will run side by side.
-    mlx_engine::share_blas_threads(mlx_engine::default_lanes(
-        mlx_support::best_device(),
-        memory,
-    ));
+    // OpenBLAS's cores shared out between the chunks the engine runs side
+    // by side: nothing else runs MLX work in this program.
+    config = config
+        .memory(memory)
+        .blas_threads(mlx_engine::BlasThreads::SharedByLanes);
     let engine = MlxEngine::new(config)?;
     engine
         .ensure_loaded()

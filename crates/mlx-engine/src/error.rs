@@ -75,10 +75,29 @@ pub enum Error {
     /// stopped on another chunk's error).
     #[error("the generation stopped while a chunk waited for its tokens to be picked")]
     LanesStopped,
+    /// A chunk's work panicked on its lane (the lane serves on).
+    #[error("a chunk panicked on its lane: {0}")]
+    LanePanicked(String),
     /// A key/value cache used against its invariants (a bug in the caller
     /// of [`KvCache`](crate::KvCache)).
     #[error("key/value cache: {0}")]
     Cache(String),
+    /// A rank of a distributed placement disagrees with the others, or an
+    /// exchange with a peer failed (a peer rank that exited closes its
+    /// sockets: MLX reports "connection to a peer was lost").
+    #[error("rank {rank}: {message}")]
+    Distributed { rank: usize, message: String },
+    /// A pipeline stage was asked for a part of the model another rank
+    /// holds (a bug in the caller of the model).
+    #[error("{what} is held by another pipeline stage")]
+    NotOnThisStage { what: &'static str },
+    /// A setting (an environment variable) holds a value it cannot take.
+    #[error("{name}={value:?} is not a setting: expected {expected}")]
+    Setting {
+        name: &'static str,
+        value: String,
+        expected: &'static str,
+    },
     /// An MLX operation failed.
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
@@ -126,4 +145,19 @@ pub enum EngineError {
     /// The engine was closed, or its worker is gone.
     #[error("the engine is closed")]
     Closed,
+    /// With a distributed placement, the worker did not answer within
+    /// `EngineConfig::peer_timeout` (a peer rank stopped without exiting,
+    /// or this rank was called without the others); the engine is closed.
+    #[error("no answer within {waited:?}: a peer rank is not taking part (the engine is closed; end this rank)")]
+    PeerTimeout { waited: std::time::Duration },
+}
+
+/// The message a panic carried (`panic!` with a literal or a formatted
+/// string), for the error that reports it.
+pub(crate) fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
 }

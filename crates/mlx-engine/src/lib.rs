@@ -94,20 +94,22 @@
 //!
 //! On the CPU, an engine runs two chunks of a call side by side by default
 //! ([`EngineConfig::lanes`], [`default_lanes`]), each on its own thread
-//! and MLX stream: MLX runs a stream's element-wise work on one core. With
-//! OpenBLAS, call [`share_blas_threads`] before the engine starts, while
-//! nothing else runs MLX work, so that each lane's products use its share
-//! of the cores:
+//! and MLX stream: MLX runs a stream's element-wise work on one core. The
+//! lanes are threads the engine starts once, with the model. With
+//! OpenBLAS, let the engine give each lane its share of the cores for
+//! the products ([`BlasThreads::SharedByLanes`]; OpenBLAS's count is the
+//! process's, so the first engine that asks sets it, before its lanes
+//! start):
 //!
 //! ```no_run
-//! use mlx_engine::{default_lanes, share_blas_threads, EngineConfig, MemoryMode, MlxEngine};
+//! use mlx_engine::{BlasThreads, EngineConfig, MlxEngine};
 //!
 //! mlx_support::retain_freed_memory();
-//! let dir = std::path::Path::new("models/fused");
-//! share_blas_threads(default_lanes(mlx_support::best_device(), MemoryMode::for_model_dir(dir)));
-//! let engine = MlxEngine::new(EngineConfig::new(dir)).unwrap();
+//! let config = EngineConfig::new("models/fused").blas_threads(BlasThreads::SharedByLanes);
+//! let engine = MlxEngine::new(config).unwrap();
 //! ```
 
+mod distributed;
 mod error;
 mod models;
 mod nn;
@@ -118,19 +120,23 @@ mod tokenizer;
 mod weights;
 
 pub use block_stream::BlockLoraSource;
+pub use distributed::Placement;
 pub use error::{EngineError, Error, Result};
+pub use mlx_support::distributed::{Group, GroupConfig};
 pub use mlx_support::{Quantization, QuantizationConfig};
 pub use models::config::{ModelConfig, SUPPORTED};
-pub use models::{MemoryMode, Model, QuantizedWeights};
+pub use models::{MemoryMode, Model, ModelLoader, QuantizedWeights};
 pub use nn::cache::KvCache;
 pub use runtime::engine::{MlxEngine, Reply, Worker};
 pub use runtime::generate::{Generation, GenerationStats};
-pub use runtime::lanes::{default_lanes, share_blas_threads};
+pub use runtime::lanes::{default_lanes, BlasThreads};
 pub use runtime::options::{
     EngineConfig, GenerateOptions, LogitsProcessor, LogitsProcessorFactory, PrefixCache,
-    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PEER_TIMEOUT,
 };
 pub use tokenizer::{Message, SpecialTokens, Tokenizer};
+pub use weights::kernels::Kernels;
+pub use weights::routed::expert_bytes_read;
 
 /// Compiles the README's example with the doc-tests, so that it stays true.
 #[cfg(doctest)]

@@ -10,7 +10,23 @@
 //!   0.17.1 + mlx-lm 0.31.3, kept in `tests/data/cc_sentiment_original.json`
 //!   (that stack needs Python 3.13 and takes minutes: set
 //!   `MLX_LOWMEM_SPAWNLLM_PYTHON` to its interpreter to compute them again,
-//!   with `tests/parity/spawnllm_labels.py`, into that file).
+//!   with `tests/parity/spawnllm_labels.py`, into that file). To make that
+//!   interpreter:
+//!
+//!   ```sh
+//!   python3.13 -m venv target/spawnllm-venv
+//!   target/spawnllm-venv/bin/pip install 'spawnllm[mlx]==0.17.1' 'mlx[cpu]==0.32.2' \
+//!       mlx-lm==0.31.3 pydantic anyio 'cc-transcript>=14,<15'
+//!   target/spawnllm-venv/bin/pip install --no-deps cc-sentiment==0.2.135
+//!   MLX_LOWMEM_SPAWNLLM_PYTHON=$PWD/target/spawnllm-venv/bin/python3 \
+//!       MLX_LOWMEM_CC_SENTIMENT=~/.cache/mlx-lowmem/cc-sentiment \
+//!       cargo test -p mlx-engine --test cc_sentiment_original
+//!   ```
+//!
+//!   spawnllm 0.17.1 does not run on mlx-lm 0.32.2. Both spawnllm and
+//!   cc-sentiment refuse to run off Apple Silicon; the script answers their
+//!   two platform checks as a Mac would while the classifier is imported
+//!   and built, and changes nothing else.
 //! - With the clean prefix they equal mlx_lm 0.32.2's `batch_generate` on
 //!   copies of the prefix's own cache (run live).
 //!

@@ -229,7 +229,7 @@ fn a_panicking_job_is_an_error_and_the_worker_goes_on() {
         "{err}"
     );
     let vocab = engine
-        .submit(|w| w.model.config().vocab_size)
+        .submit(|w| w.model().config().vocab_size)
         .wait()
         .unwrap();
     assert_eq!(vocab, VOCAB as usize);
@@ -283,7 +283,7 @@ fn replies_resolve_under_tokio() {
             .unwrap();
         let texts =
             within(engine.generate_async(conversations(), GenerateOptions::new().max_tokens(2)));
-        let count = within(engine.submit(|w| w.model.config().num_hidden_layers));
+        let count = within(engine.submit(|w| w.model().config().num_hidden_layers));
         let failed_load = within(broken.ensure_loaded_async());
         let failed_generate =
             within(broken.generate_async(conversations(), GenerateOptions::new().max_tokens(1)));
@@ -355,12 +355,11 @@ fn with_the_tables_mapped_no_page_of_the_files_stays_resident() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path());
     let file = dir.path().join("model.safetensors");
-    let model = mlx_engine::Model::load_with(
-        dir.path(),
-        mlx_engine::QuantizedWeights::DequantizeOnUse,
-        mlx_engine::MemoryMode::MappedTables,
-    )
-    .unwrap();
+    let model = mlx_engine::Model::loader(dir.path())
+        .quantized(mlx_engine::QuantizedWeights::DequantizeOnUse)
+        .memory(mlx_engine::MemoryMode::MappedTables)
+        .load()
+        .unwrap();
     // Rss of every mapping of the file, from /proc/self/smaps: a header
     // line names the file, the `Rss:` line after it says how much of it is
     // resident.

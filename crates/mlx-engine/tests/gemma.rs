@@ -79,7 +79,7 @@ fn max_difference(a: &[f32], b: &[f32]) -> f32 {
 fn check_against_mlx_lm(python: &str, dir: &Path, mode: QuantizedWeights, tolerance: f32) {
     let what = dir.display().to_string();
     let reference = mlx_lm_reference(python, dir);
-    let model = Model::load(dir, mode).unwrap();
+    let model = Model::loader(dir).quantized(mode).load().unwrap();
     let (prefix, suffixes) = prompt_tokens(dir);
     for (row, suffix) in suffixes.iter().enumerate() {
         let full = ids(&[prefix.clone(), suffix.clone()].concat());
@@ -98,8 +98,7 @@ fn check_against_mlx_lm(python: &str, dir: &Path, mode: QuantizedWeights, tolera
         .forward_last(&Array::from_slice(&p, &[1, p.len() as i32]), &mut shared)
         .unwrap();
     let (block, pads, width) = left_padded(&suffixes);
-    let mut cache = shared.fork(suffixes.len() as i32).unwrap();
-    cache.set_pads(pads).unwrap();
+    let mut cache = shared.fork_padded(pads).unwrap();
     let rows = suffixes.len() as i32;
     let logits = model
         .forward_last(
@@ -224,7 +223,7 @@ fn quantized_gemma4_modes_agree() {
     let (prefix, suffixes) = prompt_tokens(dir.path());
     let full = ids(&[prefix, suffixes[3].clone()].concat());
     let logits = |mode| {
-        let model = Model::load(dir.path(), mode).unwrap();
+        let model = Model::loader(dir.path()).quantized(mode).load().unwrap();
         let out = model
             .forward_last(
                 &Array::from_slice(&full, &[1, full.len() as i32]),
@@ -260,7 +259,10 @@ fn last_position_prefill_equals_the_full_forward() {
 }
 
 fn last_position_prefill_check(dir: &Path, version: u32) {
-    let model = Model::load(dir, QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(dir)
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     let (prefix, suffixes) = prompt_tokens(dir);
     let p = ids(&prefix);
     let mut shared = KvCache::new();
@@ -270,8 +272,7 @@ fn last_position_prefill_check(dir: &Path, version: u32) {
     let (block, pads, width) = left_padded(&suffixes);
     let rows = suffixes.len() as i32;
     let run = |last_only: bool| {
-        let mut cache = shared.fork(rows).unwrap();
-        cache.set_pads(pads.clone()).unwrap();
+        let mut cache = shared.fork_padded(pads.clone()).unwrap();
         let input = Array::from_slice(&block, &[rows, width as i32]);
         let logits = if last_only {
             model.forward_last(&input, &mut cache).unwrap()
@@ -319,7 +320,11 @@ fn gemma4_in_low_memory_modes_equals_resident() {
         let (block, pads, width) = left_padded(&suffixes);
         let rows = suffixes.len() as i32;
         let logits = |mode, memory| {
-            let model = Model::load_with(dir.path(), mode, memory).unwrap();
+            let model = Model::loader(dir.path())
+                .quantized(mode)
+                .memory(memory)
+                .load()
+                .unwrap();
             let alone = model
                 .forward(
                     &Array::from_slice(&full, &[1, full.len() as i32]),
@@ -331,8 +336,7 @@ fn gemma4_in_low_memory_modes_equals_resident() {
             model
                 .forward_last(&Array::from_slice(&p, &[1, p.len() as i32]), &mut shared)
                 .unwrap();
-            let mut cache = shared.fork(rows).unwrap();
-            cache.set_pads(pads.clone()).unwrap();
+            let mut cache = shared.fork_padded(pads.clone()).unwrap();
             let batch = model
                 .forward_last(
                     &Array::from_slice(&block, &[rows, width as i32]),
@@ -394,7 +398,11 @@ fn gemma4_in_low_memory_modes_equals_resident() {
         }
 
         for memory in [MemoryMode::MappedTables, MemoryMode::Streamed] {
-            let model = Model::load_with(dir.path(), QuantizedWeights::Keep, memory).unwrap();
+            let model = Model::loader(dir.path())
+                .quantized(QuantizedWeights::Keep)
+                .memory(memory)
+                .load()
+                .unwrap();
             let outside = Array::from_slice(&[3, VOCAB], &[1, 2]);
             match model.forward(&outside, &mut KvCache::new()) {
                 Err(Error::TokenOutOfRange { id, vocab }) => {
@@ -481,7 +489,11 @@ fn a_classification_gives_a_generations_first_logits() {
 fn a_streamed_layer_whose_file_is_gone_is_a_typed_error() {
     let dir = tempfile::tempdir().unwrap();
     write_gemma4(dir.path(), Layout::Text, true);
-    let model = Model::load_with(dir.path(), QuantizedWeights::Keep, MemoryMode::Streamed).unwrap();
+    let model = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .memory(MemoryMode::Streamed)
+        .load()
+        .unwrap();
     std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
     match model.forward(&Array::from_slice(&[3, 4], &[1, 2]), &mut KvCache::new()) {
         Err(e @ Error::Stream { .. }) => {
@@ -513,7 +525,10 @@ fn bad_gemma_checkpoints_are_typed_errors_naming_file_and_key() {
         dir.path().join("model.safetensors"),
     )
     .unwrap();
-    let err = Model::load(dir.path(), QuantizedWeights::Keep).unwrap_err();
+    let err = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap_err();
     assert!(
         matches!(&err, Error::MissingWeight { key, .. } if key.contains("language_model.model.embed_tokens")),
         "{err}"
@@ -523,7 +538,10 @@ fn bad_gemma_checkpoints_are_typed_errors_naming_file_and_key() {
     let dir = tempfile::tempdir().unwrap();
     write_gemma4(dir.path(), Layout::Text, false);
     edit_config(dir.path(), |c| c["global_head_dim"] = json!(24));
-    let err = Model::load(dir.path(), QuantizedWeights::Keep).unwrap_err();
+    let err = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap_err();
     match &err {
         Error::WeightShape {
             path,
@@ -588,7 +606,10 @@ fn bad_gemma_checkpoints_are_typed_errors_naming_file_and_key() {
         let dir = tempfile::tempdir().unwrap();
         write_gemma4(dir.path(), Layout::Mlx, false);
         edit_config(dir.path(), edit);
-        let err = Model::load(dir.path(), QuantizedWeights::Keep).unwrap_err();
+        let err = Model::loader(dir.path())
+            .quantized(QuantizedWeights::Keep)
+            .load()
+            .unwrap_err();
         match &err {
             Error::Config { path, message } => {
                 assert_eq!(path, &dir.path().join("config.json"), "{what}");
@@ -618,7 +639,10 @@ fn rows_attended_a_group_at_a_time_equal_each_row_alone() {
     gemma4_e2b::write(dir.path(), &base);
     let (rows, width) = (5, 120);
     let ids: Vec<i32> = (0..rows * width).map(|i| (i * 37 + i / 7) % 256).collect();
-    let model = Model::load(dir.path(), QuantizedWeights::DequantizeOnUse).unwrap();
+    let model = Model::loader(dir.path())
+        .quantized(QuantizedWeights::DequantizeOnUse)
+        .load()
+        .unwrap();
     let batch = model
         .forward_last(
             &Array::from_slice(&ids, &[rows, width]),

@@ -118,7 +118,10 @@ fn e2b_shapes_in_bfloat16_equal_mlx_lm_at_every_position() {
     let Some(kept) = reference(dir, &inputs(dir, &prefix, &suffixes)) else {
         return;
     };
-    let model = Model::load(dir, QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(dir)
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     let ids = |t: &[u32]| -> Vec<i32> { t.iter().map(|&x| x as i32).collect() };
 
     let mut shared = KvCache::new();

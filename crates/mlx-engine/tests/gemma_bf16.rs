@@ -11,16 +11,14 @@
 
 mod common;
 
-use common::logits::{
-    largest_difference, padded_forward, positions, run_parity_script, write_request, Only,
-};
+use common::logits::{assert_every_position, run_parity_script, write_request, Only};
 use common::tiny_gemma::*;
 use common::VOCAB;
 use mlx_engine::{
-    EngineConfig, GenerateOptions, KvCache, LogitsProcessor, MlxEngine, Model, PrefixCache,
+    EngineConfig, GenerateOptions, LogitsProcessor, MlxEngine, Model, PrefixCache,
     QuantizedWeights, Tokenizer,
 };
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Dtype;
 use serde_json::json;
 use test_support::python::{mlx_lm_python, python_with};
 
@@ -44,52 +42,11 @@ fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
         let request = write_request(dir, &json!({"prefix": prefix, "suffixes": suffixes}));
         let reference = run_parity_script(&python, "mlx_lm_positions.py", dir, &request);
         assert_eq!(reference["dtype"], "mlx.core.bfloat16", "{what}");
-        let model = Model::load(dir, QuantizedWeights::Keep).unwrap();
-        let p = prefix.len() as i32;
-
-        let mut shared = KvCache::new();
-        let tokens = ids(&prefix);
-        model
-            .forward(&Array::from_slice(&tokens, &[1, p]), &mut shared)
+        let model = Model::loader(dir)
+            .quantized(QuantizedWeights::Keep)
+            .load()
             .unwrap();
-        for (row, suffix) in suffixes.iter().enumerate() {
-            let whole = ids(&[prefix.clone(), suffix.clone()].concat());
-            let logits = model
-                .forward(
-                    &Array::from_slice(&whole, &[1, whole.len() as i32]),
-                    &mut KvCache::new(),
-                )
-                .unwrap();
-            let d = largest_difference(&positions(&logits, 0, 0), &reference["whole"][row]);
-            assert!(
-                d <= TOLERANCE,
-                "{what}: row {row}, prefix and suffix in one forward, differs by {d}"
-            );
-            let tokens = ids(suffix);
-            let logits = model
-                .forward(
-                    &Array::from_slice(&tokens, &[1, tokens.len() as i32]),
-                    &mut shared.fork(1).unwrap(),
-                )
-                .unwrap();
-            let d = largest_difference(&positions(&logits, 0, 0), &reference["after_prefix"][row]);
-            assert!(
-                d <= TOLERANCE,
-                "{what}: row {row} after the prefix differs by {d}"
-            );
-        }
-
-        let (logits, pads) = padded_forward(&model, &shared, &suffixes);
-        for (row, pad) in pads.iter().enumerate() {
-            let d = largest_difference(
-                &positions(&logits, row as i32, *pad),
-                &reference["after_prefix"][row],
-            );
-            assert!(
-                d <= TOLERANCE,
-                "{what}: row {row} of the padded batch differs by {d}"
-            );
-        }
+        assert_every_position(&model, &reference, &prefix, &suffixes, TOLERANCE, what);
     }
 }
 

@@ -343,3 +343,40 @@ fn hostile_config_sizes_are_load_errors_not_aborts() {
         assert!(err.to_string().contains("config.json"), "{err}");
     }
 }
+
+/// The kernels setting from the environment (set on a child process: tests
+/// never change their own): `portable` loads and answers; a value the
+/// engine cannot take fails the load, naming the variable and the value.
+#[test]
+fn the_kernels_setting_is_read_strictly_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path());
+    let conversations = dir.path().join("conversations.json");
+    std::fs::write(
+        &conversations,
+        r#"[[{"role": "user", "content": "w1 w2 w3"}]]"#,
+    )
+    .unwrap();
+    let run = |kernels: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_mlx-generate"))
+            .args(["--model", dir.path().to_str().unwrap()])
+            .args(["--conversations", conversations.to_str().unwrap()])
+            .env("MLX_LOWMEM_KERNELS", kernels)
+            .output()
+            .unwrap()
+    };
+    let portable = run("portable");
+    assert!(
+        portable.status.success(),
+        "{}",
+        String::from_utf8_lossy(&portable.stderr)
+    );
+    let refused = run("blas");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        stderr
+            .contains(r#"MLX_LOWMEM_KERNELS="blas" is not a setting: expected native or portable"#),
+        "{stderr}"
+    );
+}

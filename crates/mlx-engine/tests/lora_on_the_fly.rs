@@ -87,16 +87,23 @@ fn lora_on_streamed_layers_equals_the_fused_model() {
             &[QuantizedWeights::Keep, QuantizedWeights::DequantizeOnUse][..],
         ),
     ] {
-        let fused = adapter_fuse::FuseOptions::from_env()
-            .with_cache_root(work.path().join("hub"))
-            .ensure_fused(base.to_str().unwrap(), &codec, "lora-on-the-fly--fused")
-            .unwrap();
+        let fused =
+            adapter_fuse::Fuse::new(base.to_str().unwrap(), &codec, "lora-on-the-fly--fused")
+                .options(
+                    &adapter_fuse::FuseOptions::from_env().with_cache_root(work.path().join("hub")),
+                )
+                .run()
+                .unwrap();
         for &q in modes {
-            let reference = logits(&Model::load(&fused, q).unwrap());
-            let plain = logits(&Model::load(base, q).unwrap());
+            let reference = logits(&Model::loader(&fused).quantized(q).load().unwrap());
+            let plain = logits(&Model::loader(base).quantized(q).load().unwrap());
             assert!(reference != plain, "the adapter changes nothing");
-            let on_the_fly =
-                Model::load_with_lora(base, q, MemoryMode::Streamed, vec![source()]).unwrap();
+            let on_the_fly = Model::loader(base)
+                .quantized(q)
+                .memory(MemoryMode::Streamed)
+                .lora(vec![source()])
+                .load()
+                .unwrap();
             assert!(
                 reference == logits(&on_the_fly),
                 "{} {q:?}: LoRA on the fly differs from the fused model",
@@ -111,9 +118,18 @@ fn lora_on_streamed_layers_equals_the_fused_model() {
                 .unwrap()
                 .texts
         };
+        let from_fused = texts(EngineConfig::new(&fused));
         assert_eq!(
-            texts(EngineConfig::new(&fused)),
+            from_fused,
             texts(EngineConfig::new(base).lora(source())),
+            "{}",
+            base.display()
+        );
+        // The folder as shipped, its scale and layer prefix found by the
+        // engine, not copied by hand.
+        assert_eq!(
+            from_fused,
+            texts(EngineConfig::new(base).adapter(work.path())),
             "{}",
             base.display()
         );
@@ -144,11 +160,51 @@ fn lora_needs_streamed_layers() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(Model::load_with_lora(
-        &dir,
-        QuantizedWeights::Keep,
-        MemoryMode::MappedTables,
-        vec![source()]
-    )
-    .is_err());
+    assert!(Model::loader(&dir)
+        .quantized(QuantizedWeights::Keep)
+        .memory(MemoryMode::MappedTables)
+        .lora(vec![source()])
+        .load()
+        .is_err());
+}
+
+/// An adapter whose module has no `lora_b`, or lies outside the model's
+/// layers, is refused at load with the module named: block streaming used
+/// to drop such halves silently.
+#[test]
+fn an_unpaired_or_misplaced_adapter_module_is_an_error_at_load() {
+    let Some(dir) = fixture("q4") else {
+        eprintln!("SKIP an_unpaired_or_misplaced_adapter_module_is_an_error_at_load: no SmolLM2 fixture (run cargo xtask fixtures)");
+        return;
+    };
+    for (key, says) in [
+        ("model.layers.3.self_attn.q_proj.lora_a", "has no lora_b"),
+        ("lm_head.lora_a", "not under the model's layers"),
+    ] {
+        let (source, work) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        write_adapter(source.path());
+        std::fs::copy(
+            source.path().join("adapter_config.json"),
+            work.path().join("adapter_config.json"),
+        )
+        .unwrap();
+        let file = work.path().join("adapters.safetensors");
+        let extra = normal(&[576, RANK as i32], 9, 0.03);
+        let mut tensors: Vec<(String, Array)> =
+            Array::load_safetensors(source.path().join("adapters.safetensors"))
+                .unwrap()
+                .into_iter()
+                .collect();
+        tensors.push((key.to_owned(), extra.clone()));
+        if key.starts_with("lm_head") {
+            tensors.push((
+                "lm_head.lora_b".to_owned(),
+                normal(&[RANK as i32, 49152], 10, 0.03),
+            ));
+        }
+        Array::save_safetensors(tensors.iter().map(|(k, v)| (k.as_str(), v)), None, &file).unwrap();
+        let engine = MlxEngine::new(EngineConfig::new(&dir).adapter(work.path())).unwrap();
+        let err = engine.ensure_loaded().unwrap_err().to_string();
+        assert!(err.contains(says), "{key}: {err}");
+    }
 }

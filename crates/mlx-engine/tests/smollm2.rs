@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use mlx_engine::{
-    EngineConfig, GenerateOptions, KvCache, MemoryMode, Message, MlxEngine, Model,
+    EngineConfig, GenerateOptions, Kernels, KvCache, MemoryMode, Message, MlxEngine, Model,
     QuantizedWeights, SpecialTokens, Tokenizer,
 };
 use mlx_rs::ops::indexing::IndexOp;
@@ -87,9 +87,26 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
     );
     let reference: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
 
-    let model = Model::load(&dir, QuantizedWeights::DequantizeF32).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    for (prompt, want) in prompts().iter().zip(&reference) {
+    // Both ways: the few-rows kernel where this CPU has it, and MLX's
+    // products alone (what every other machine runs).
+    for kernels in [Kernels::Native, Kernels::Portable] {
+        let model = Model::loader(&dir)
+            .quantized(QuantizedWeights::DequantizeF32)
+            .kernels(kernels)
+            .load()
+            .unwrap();
+        answers_as_mlx_lm(&model, &tokenizer, &reference, kernels);
+    }
+}
+
+fn answers_as_mlx_lm(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    reference: &[serde_json::Value],
+    kernels: Kernels,
+) {
+    for (prompt, want) in prompts().iter().zip(reference) {
         let ids = tokenizer
             .chat_tokens(prompt, true, SpecialTokens::AsText)
             .unwrap();
@@ -112,7 +129,7 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
         let worst = largest_difference(last.as_slice::<f32>(), &want_logits);
         assert!(
             worst <= 1e-3,
-            "logits of {prompt:?} differ by up to {worst}"
+            "logits of {prompt:?} differ by up to {worst} ({kernels:?} kernels)"
         );
 
         let mut tokens = input.clone();
@@ -134,7 +151,10 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
             tokens.push(id as i32);
         }
         let want_cont: Vec<u32> = serde_json::from_value(want["continuation"].clone()).unwrap();
-        assert_eq!(continuation, want_cont, "greedy continuation of {prompt:?}");
+        assert_eq!(
+            continuation, want_cont,
+            "greedy continuation of {prompt:?} ({kernels:?} kernels)"
+        );
     }
 }
 
@@ -155,7 +175,7 @@ fn quantized_import_agrees_with_f32_import() {
         .collect();
     let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
     let last = |dir: &PathBuf, q| {
-        let model = Model::load(dir, q).unwrap();
+        let model = Model::loader(dir).quantized(q).load().unwrap();
         let logits = model
             .forward(&input, &mut KvCache::new())
             .unwrap()
@@ -199,7 +219,11 @@ fn low_memory_modes_equal_resident() {
     let prompt = Array::from_slice(&ids[..n - 1], &[1, n as i32 - 1]);
     let last = Array::from_slice(&ids[n - 1..], &[1, 1]);
     let logits = |dir: &PathBuf, q, memory| -> Vec<u32> {
-        let model = Model::load_with(dir, q, memory).unwrap();
+        let model = Model::loader(dir)
+            .quantized(q)
+            .memory(memory)
+            .load()
+            .unwrap();
         let mut cache = KvCache::new();
         let mut bits = Vec::new();
         for input in [&prompt, &last] {

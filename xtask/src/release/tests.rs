@@ -176,8 +176,9 @@ fn this_workspace_has_complete_metadata_and_a_changelog() {
             "adapter-codec",
             "gguf-import",
             "mlx-support",
-            "adapter-fuse",
+            // adapter-fuse reads its adapter with block-stream's type.
             "block-stream",
+            "adapter-fuse",
             "mlx-engine"
         ]
         .map(str::to_owned)

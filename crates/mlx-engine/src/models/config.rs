@@ -1,12 +1,11 @@
 //! `config.json` of an mlx_lm-format model, for the decoder families we run.
 
-use std::path::Path;
+use std::any::Any;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
 use mlx_support::QuantizationConfig;
-
-use crate::error::{Error, Result};
 
 /// The `model_type`s this crate implements. `gemma3` and `gemma4` are
 /// multimodal checkpoints: their text decoder runs, their vision and audio
@@ -16,6 +15,7 @@ pub const SUPPORTED: &[&str] = &[
     "mistral",
     "qwen2",
     "qwen3",
+    "qwen3_moe",
     "gemma3_text",
     "gemma3",
     "gemma4_text",
@@ -50,10 +50,10 @@ pub struct ModelConfig {
     /// The context length the model was trained for, when the config says.
     #[serde(default)]
     pub max_position_embeddings: Option<usize>,
-    /// Gemma's architecture fields (layer types, windows, per-layer
-    /// embeddings, …); `None` for the llama family.
+    /// The family's own settings, if it has any (see
+    /// [`Family::settings`](crate::models::family::Family)).
     #[serde(skip)]
-    pub(crate) gemma: Option<crate::models::gemma::config::GemmaSpec>,
+    pub(crate) settings: Option<FamilySettings>,
 }
 
 fn default_rope_theta() -> f32 {
@@ -73,43 +73,20 @@ fn quantization_config<'de, D: serde::Deserializer<'de>>(
 }
 
 impl ModelConfig {
-    /// Reads and checks `dir/config.json`.
-    pub fn load(dir: &Path) -> Result<ModelConfig> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let bad = |message: String| Error::Config {
-            path: path.clone(),
-            message,
-        };
-        let raw: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-        let model_type = raw
-            .get("model_type")
-            .and_then(|t| t.as_str())
-            .ok_or_else(|| bad("missing field `model_type`".into()))?;
-        if !SUPPORTED.contains(&model_type) {
-            return Err(Error::UnsupportedArchitecture {
-                model_type: model_type.to_owned(),
-                supported: SUPPORTED,
-            });
-        }
-        // Gemma's text fields, flattened and completed with mlx_lm's
-        // defaults; other families read as they are.
-        let text_fields = crate::models::gemma::config::text_fields(&raw).map_err(bad)?;
-        let fields = text_fields.as_ref().unwrap_or(&raw);
-        let mut config: ModelConfig =
-            serde_json::from_value(fields.clone()).map_err(|e| bad(e.to_string()))?;
-        config.check().map_err(bad)?;
-        if text_fields.is_some() {
-            let multimodal = matches!(model_type, "gemma3" | "gemma4");
-            let spec =
-                crate::models::gemma::config::GemmaSpec::resolve(fields, &config, multimodal)
-                    .map_err(bad)?;
-            config.gemma = Some(spec);
-        }
+    /// The common config from `fields` (a family's
+    /// [`Family::fields`](crate::models::family::Family)), checked.
+    pub(crate) fn from_fields(
+        fields: &serde_json::Value,
+    ) -> std::result::Result<ModelConfig, String> {
+        let config: ModelConfig =
+            serde_json::from_value(fields.clone()).map_err(|e| e.to_string())?;
+        config.check()?;
         Ok(config)
+    }
+
+    /// The family's own settings, of type `T`.
+    pub(crate) fn settings<T: std::any::Any>(&self) -> Option<&T> {
+        self.settings.as_ref()?.get()
     }
 
     /// Sizes that cannot work, before anything is allocated from them.
@@ -169,6 +146,28 @@ impl ModelConfig {
 
     /// Whether queries and keys are RMS-normalised per head (qwen3).
     pub fn qk_norm(&self) -> bool {
-        self.model_type == "qwen3"
+        matches!(self.model_type.as_str(), "qwen3" | "qwen3_moe")
+    }
+}
+
+/// A family's own settings (Gemma's layer types, windows, per-layer
+/// inputs, ...), held in [`ModelConfig`] without the common config naming
+/// their type; the family reads them back with [`ModelConfig::settings`].
+#[derive(Clone)]
+pub(crate) struct FamilySettings(Arc<dyn Any + Send + Sync>);
+
+impl FamilySettings {
+    pub(crate) fn new<T: Any + Send + Sync>(settings: T) -> FamilySettings {
+        FamilySettings(Arc::new(settings))
+    }
+
+    pub(crate) fn get<T: Any>(&self) -> Option<&T> {
+        self.0.downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for FamilySettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FamilySettings(..)")
     }
 }

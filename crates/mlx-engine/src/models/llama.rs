@@ -1,18 +1,32 @@
-//! The llama-family decoder (llama, mistral, qwen2, qwen3) written with
+//! The llama-family decoder (llama, mistral, qwen2, qwen3, and qwen3_moe,
+//! whose sparse layers route each position to a few experts) written with
 //! mlx-rs.
 
 use mlx_rs::fast;
 use mlx_rs::Array;
 
-use crate::error::Result;
-use crate::models::config::ModelConfig;
+use crate::distributed::stage::Stage;
+use crate::error::{Error, Result};
+use crate::models::config::{FamilySettings, ModelConfig};
+use crate::models::family::{Decoder, Family};
 use crate::nn::attention::attention;
 use crate::nn::cache::{at_position, KvCache, LayerMask};
+use crate::nn::experts::{ExpertWeights, Experts};
 use crate::nn::fused::silu_mul;
 use crate::nn::mlp::gated_mlp;
 use crate::nn::rope::Positions;
 use crate::weights::layers::{Forward, Layers};
-use crate::weights::{Embedding, Linear, Weights};
+use crate::weights::memory_mode::MemoryMode;
+use crate::weights::routed::RoutedStack;
+use crate::weights::{Embedding, KeyPath, Linear, Weights};
+
+/// Where the llama family's text decoder keeps its weights.
+const MODEL: &str = "model";
+
+/// `model.layers`: layer `i`'s weights are under its child `i`.
+fn layers_path() -> KeyPath {
+    KeyPath::new(MODEL).join("layers")
+}
 
 struct Layer {
     q: Linear,
@@ -21,11 +35,126 @@ struct Layer {
     o: Linear,
     q_norm: Option<Array>,
     k_norm: Option<Array>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    mlp: Mlp,
     input_norm: Array,
     post_norm: Array,
+}
+
+/// A layer's feed-forward block.
+enum Mlp {
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// qwen3_moe's sparse layers.
+    Experts(Experts),
+}
+
+/// qwen3_moe's fields of `config.json` (mlx_lm's `ModelArgs`).
+#[derive(Debug, Clone, serde::Deserialize)]
+struct MoeSettings {
+    num_experts: usize,
+    num_experts_per_tok: usize,
+    #[serde(default = "one")]
+    decoder_sparse_step: usize,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
+    moe_intermediate_size: usize,
+    #[serde(default)]
+    norm_topk_prob: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl MoeSettings {
+    /// Whether layer `i` routes to experts (mlx_lm's rule).
+    fn sparse(&self, i: usize) -> bool {
+        !self.mlp_only_layers.contains(&i)
+            && self.num_experts > 0
+            && (i + 1).is_multiple_of(self.decoder_sparse_step.max(1))
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
+            return Err(format!(
+                "num_experts_per_tok {} must be between 1 and num_experts {}",
+                self.num_experts_per_tok, self.num_experts
+            ));
+        }
+        if self.moe_intermediate_size == 0 {
+            return Err("moe_intermediate_size must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// A sparse layer's experts: the router and the stacked expert weights,
+/// in memory, or left in the files when the memory mode leaves tables there
+/// (and when layers are streamed: a streamed layer's unused loads are never
+/// read), to be read as the rows route to them.
+fn load_experts(
+    w: &Weights<'_>,
+    mlp: &KeyPath,
+    hidden: usize,
+    moe: &MoeSettings,
+) -> Result<Experts> {
+    let (e, inter) = (moe.num_experts, moe.moe_intermediate_size);
+    let in_files = w.memory != MemoryMode::Resident;
+    let key = |name: &str| -> Result<KeyPath> {
+        let module = mlp.join("switch_mlp").join(name);
+        if w.has(&module.join("scales")) {
+            return Err(Error::Config {
+                path: w.dir.join("config.json"),
+                message: format!("{module} is quantized: quantized experts are not supported yet"),
+            });
+        }
+        Ok(module.join("weight"))
+    };
+    let shapes = [
+        ("gate_proj", inter, hidden),
+        ("up_proj", inter, hidden),
+        ("down_proj", hidden, inter),
+    ];
+    let weights = if in_files {
+        let [gate, up, down] = shapes.map(|(name, out, inp)| {
+            RoutedStack::new(
+                w.set,
+                w.dir.to_path_buf(),
+                key(name)?.to_string(),
+                [e, out, inp],
+            )
+        });
+        ExpertWeights::InFiles {
+            gate: gate?,
+            up: up?,
+            down: down?,
+        }
+    } else {
+        let [gate, up, down] = shapes.map(|(name, out, inp)| -> Result<Array> {
+            // (experts, out, in) as stored; `gather_mm` takes each expert's
+            // transpose, as mlx_lm's `SwitchLinear` passes it. Computed now
+            // (a view of the same buffer), on the thread that loads: lanes
+            // read the model's arrays from other threads and cannot
+            // compute one.
+            let transposed = w.array(&key(name)?, &[e, out, inp])?.swap_axes(-1, -2)?;
+            transposed.eval()?;
+            Ok(transposed)
+        });
+        ExpertWeights::Resident {
+            gate: gate?,
+            up: up?,
+            down: down?,
+        }
+    };
+    Ok(Experts {
+        router: w.linear(&mlp.join("gate"), hidden, e)?,
+        weights,
+        top_k: moe.num_experts_per_tok as i32,
+        norm_topk_prob: moe.norm_topk_prob,
+    })
 }
 
 impl Layer {
@@ -37,72 +166,138 @@ impl Layer {
             config.head_dim(),
         );
         let inter = config.intermediate_size;
-        let p = format!("model.layers.{i}");
+        let p = layers_path().join(i);
+        let (attn, mlp) = (p.join("self_attn"), p.join("mlp"));
         let qk_norm = |name: &str| -> Result<Option<Array>> {
             if config.qk_norm() {
-                Ok(Some(w.vector(&format!("{p}.self_attn.{name}.weight"), hd)?))
+                Ok(Some(w.vector(&attn.join(name).join("weight"), hd)?))
             } else {
                 Ok(None)
             }
         };
         Ok(Layer {
-            q: w.linear(&format!("{p}.self_attn.q_proj"), hidden, heads * hd)?,
-            k: w.linear(&format!("{p}.self_attn.k_proj"), hidden, kv_heads * hd)?,
-            v: w.linear(&format!("{p}.self_attn.v_proj"), hidden, kv_heads * hd)?,
-            o: w.linear(&format!("{p}.self_attn.o_proj"), heads * hd, hidden)?,
+            q: w.linear(&attn.join("q_proj"), hidden, heads * hd)?,
+            k: w.linear(&attn.join("k_proj"), hidden, kv_heads * hd)?,
+            v: w.linear(&attn.join("v_proj"), hidden, kv_heads * hd)?,
+            o: w.linear(&attn.join("o_proj"), heads * hd, hidden)?,
             q_norm: qk_norm("q_norm")?,
             k_norm: qk_norm("k_norm")?,
-            gate: w.linear(&format!("{p}.mlp.gate_proj"), hidden, inter)?,
-            up: w.linear(&format!("{p}.mlp.up_proj"), hidden, inter)?,
-            down: w.linear(&format!("{p}.mlp.down_proj"), inter, hidden)?,
-            input_norm: w.vector(&format!("{p}.input_layernorm.weight"), hidden)?,
-            post_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"), hidden)?,
+            mlp: match config.settings::<MoeSettings>() {
+                Some(moe) if moe.sparse(i) => Mlp::Experts(load_experts(w, &mlp, hidden, moe)?),
+                _ => Mlp::Dense {
+                    gate: w.linear(&mlp.join("gate_proj"), hidden, inter)?,
+                    up: w.linear(&mlp.join("up_proj"), hidden, inter)?,
+                    down: w.linear(&mlp.join("down_proj"), inter, hidden)?,
+                },
+            },
+            input_norm: w.vector(&p.join("input_layernorm").join("weight"), hidden)?,
+            post_norm: w.vector(&p.join("post_attention_layernorm").join("weight"), hidden)?,
         })
     }
 }
 
-/// A loaded llama-family decoder.
+/// The llama family: llama, mistral, qwen2, qwen3, qwen3_moe.
+pub(crate) const FAMILY: Family = Family {
+    model_types: &["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"],
+    fields: |raw| Ok(raw.clone()),
+    settings: |raw, _, config| {
+        if config.model_type != "qwen3_moe" {
+            return Ok(None);
+        }
+        let moe: MoeSettings = serde_json::from_value(raw.clone()).map_err(|e| e.to_string())?;
+        moe.check()?;
+        Ok(Some(FamilySettings::new(moe)))
+    },
+    layers_prefix: |_, _| Ok(layers_path()),
+    can_cut_before: |_, _| true,
+    load: |config, w, stage| Ok(Box::new(Llama::load(config, w, stage)?)),
+};
+
+/// A loaded llama-family decoder, or the part of it one pipeline stage
+/// holds.
 pub(crate) struct Llama {
-    embed: Embedding,
+    /// On the first stage, and on the last when the head is tied to it.
+    embed: Option<Embedding>,
     layers: Layers<Layer>,
+    /// The final norm and output projection: on the last stage.
+    head: Option<Head>,
+}
+
+struct Head {
     norm: Array,
+    /// `None`: tied to the embedding.
     lm_head: Option<Linear>,
 }
 
 impl Llama {
-    pub(crate) fn load(config: &ModelConfig, w: &Weights<'_>) -> Result<Llama> {
+    pub(crate) fn load(config: &ModelConfig, w: &Weights<'_>, stage: &Stage) -> Result<Llama> {
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
-        let tied = config.tie_word_embeddings && !w.has("lm_head.weight");
-        let embed = w.embedding("model.embed_tokens", vocab, hidden, true)?;
+        let (model, lm_head) = (KeyPath::new(MODEL), KeyPath::new("lm_head"));
+        let tied = config.tie_word_embeddings && !w.has(&lm_head.join("weight"));
+        let embed = if stage.is_first() || (stage.is_last() && tied) {
+            Some(w.embedding(&model.join("embed_tokens"), vocab, hidden, true)?)
+        } else {
+            None
+        };
+        let head = if stage.is_last() {
+            Some(Head {
+                norm: w.vector(&model.join("norm").join("weight"), hidden)?,
+                lm_head: if tied {
+                    None
+                } else {
+                    Some(w.linear(&lm_head, hidden, vocab)?)
+                },
+            })
+        } else {
+            None
+        };
+        // After the head: laying a matrix out holds one extra copy of it
+        // for a moment, so the largest ones go while the least is resident
+        // (a 302 MB head laid out last raised a pipeline stage's peak by
+        // 302 MB).
         let layer_config = config.clone();
-        let layers = Layers::load(w, "model.layers.", config.num_hidden_layers, move |w, i| {
+        let layers = Layers::load(w, &layers_path(), stage.layers(), move |w, i| {
             Layer::load(&layer_config, w, i)
         })?;
-        let norm = w.vector("model.norm.weight", hidden)?;
-        let lm_head = if tied {
-            None
-        } else {
-            Some(w.linear("lm_head", hidden, vocab)?)
-        };
         Ok(Llama {
             embed,
             layers,
-            norm,
-            lm_head,
+            head,
         })
     }
 
-    /// The final norm and the output projection (or the tied embedding).
-    /// Whether the layers are read from the files at each forward.
-    pub(crate) fn streams_layers(&self) -> bool {
+    /// The embedding table; absent only on a middle pipeline stage, which
+    /// never embeds.
+    fn embed(&self) -> Result<&Embedding> {
+        self.embed.as_ref().ok_or(Error::NotOnThisStage {
+            what: "the embedding",
+        })
+    }
+}
+
+impl Decoder for Llama {
+    fn hidden_dtype(&self) -> Result<Option<mlx_rs::Dtype>> {
+        match &self.embed {
+            Some(e) => Ok(Some(
+                e.lookup(&Array::from_slice(&[0i32], &[1, 1]))?.dtype(),
+            )),
+            None => Ok(None),
+        }
+    }
+
+    fn streams_layers(&self) -> bool {
         self.layers.streamed()
     }
 
-    pub(crate) fn head(&self, config: &ModelConfig, x: &Array) -> Result<Array> {
-        let x = fast::rms_norm(x, Some(&self.norm), config.rms_norm_eps)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&x),
-            None => self.embed.as_linear(&x),
+    /// The final norm and the output projection (or the tied embedding).
+    fn head(&self, config: &ModelConfig, x: &Array) -> Result<Array> {
+        let head = self.head.as_ref().ok_or(Error::NotOnThisStage {
+            what: "the output head",
+        })?;
+        let x = fast::rms_norm(x, Some(&head.norm), config.rms_norm_eps)?;
+        match &head.lm_head {
+            Some(lm_head) => lm_head.forward(&x),
+            None => self.embed()?.as_linear(&x),
         }
     }
 
@@ -115,9 +310,25 @@ impl Llama {
     /// hidden)` comes back): the last layer writes every position's keys
     /// and values, then runs its queries, attention and MLP on the last
     /// position alone (nothing reads the others' outputs).
-    pub(crate) fn hidden_each<'c>(
+    fn hidden_each(
         &self,
         c: &ModelConfig,
+        stage: &Stage,
+        tokens: &[Array],
+        caches: &mut [KvCache],
+        last_only: bool,
+    ) -> Result<Vec<Array>> {
+        self.forwards(c, stage, tokens, caches, last_only)
+    }
+}
+
+impl Llama {
+    /// [`Decoder::hidden_each`], with the caches' lifetime named for the
+    /// forwards in progress.
+    fn forwards<'c>(
+        &self,
+        c: &ModelConfig,
+        stage: &Stage,
         tokens: &[Array],
         caches: &'c mut [KvCache],
         last_only: bool,
@@ -126,7 +337,7 @@ impl Llama {
         let begin = |tokens: &Array, cache: &'c mut KvCache| {
             let l = tokens.dim(1);
             Ok(Pass {
-                x: self.embed.lookup(tokens)?,
+                x: stage.input(tokens, c.hidden_size, || self.embed()?.lookup(tokens))?,
                 mask: cache.mask(0, l, None),
                 positions: Positions::of(cache),
                 b: tokens.dim(0),
@@ -136,10 +347,15 @@ impl Llama {
                 cache,
             })
         };
-        self.layers
+        let outputs = self
+            .layers
             .forward_each(tokens, caches, begin, |i, layer, pass| {
                 layer.forward(c, i, pass)
-            })
+            })?;
+        for x in &outputs {
+            stage.output(x)?;
+        }
+        Ok(outputs)
     }
 }
 
@@ -219,7 +435,11 @@ impl Layer {
         let x1 = p.x.add(self.o.forward(&attended)?)?;
         let h = fast::rms_norm(&x1, Some(&self.post_norm), c.rms_norm_eps)?;
         let act = |g: &Array, u: &Array| Ok(silu_mul(g, u)?);
-        p.x = x1.add(gated_mlp(&h, &self.gate, &self.up, &self.down, act)?)?;
+        let out = match &self.mlp {
+            Mlp::Dense { gate, up, down } => gated_mlp(&h, gate, up, down, act)?,
+            Mlp::Experts(experts) => experts.forward(&h)?,
+        };
+        p.x = x1.add(out)?;
         Ok(vec![p.x.clone(), k, v])
     }
 }

@@ -2,12 +2,13 @@
 //! with its weights.
 
 pub(crate) mod config;
+pub(crate) mod family;
 pub(crate) mod gemma;
 pub(crate) mod llama;
 #[cfg(test)]
 mod tests;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use block_stream::BlockLoraSource;
@@ -15,26 +16,79 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use st_mmap::SafetensorsSet;
 
+use crate::distributed::stage::Stage;
+use crate::distributed::{self, split, Placement};
 use crate::error::{Error, Result};
 use crate::models::config::ModelConfig;
-use crate::models::gemma::{Gemma, KeyPrefixes};
-use crate::models::llama::Llama;
+use crate::models::family::{Decoder, Family};
 use crate::nn::cache::KvCache;
+use crate::weights::kernels::{Kernels, Products};
 use crate::weights::Weights;
 
 pub use crate::weights::memory_mode::MemoryMode;
-pub use crate::weights::QuantizedWeights;
 
-enum Decoder {
-    Llama(Llama),
-    Gemma(Gemma),
+/// Every family the crate runs, by `model_type` (see [`family`]).
+const FAMILIES: &[&Family] = &[&llama::FAMILY, &gemma::FAMILY];
+
+/// The family that runs `model_type`.
+fn family_of(model_type: &str) -> Option<&'static Family> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.model_types.contains(&model_type))
 }
+
+#[cfg(test)]
+#[test]
+fn every_supported_model_type_has_one_family() {
+    for model_type in config::SUPPORTED {
+        let n = FAMILIES
+            .iter()
+            .filter(|f| f.model_types.contains(model_type))
+            .count();
+        assert_eq!(n, 1, "{model_type}");
+    }
+    let listed: usize = FAMILIES.iter().map(|f| f.model_types.len()).sum();
+    assert_eq!(listed, config::SUPPORTED.len());
+}
+
+impl ModelConfig {
+    /// Reads and checks `dir/config.json`: the common fields, and the
+    /// family's own settings as its `model_type`'s family reads them.
+    pub fn load(dir: &Path) -> Result<ModelConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let bad = |message: String| Error::Config {
+            path: path.clone(),
+            message,
+        };
+        let raw: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let model_type = raw
+            .get("model_type")
+            .and_then(|t| t.as_str())
+            .ok_or_else(|| bad("missing field `model_type`".into()))?;
+        let family = family_of(model_type).ok_or_else(|| Error::UnsupportedArchitecture {
+            model_type: model_type.to_owned(),
+            supported: config::SUPPORTED,
+        })?;
+        let fields = (family.fields)(&raw).map_err(bad)?;
+        let mut config = ModelConfig::from_fields(&fields).map_err(bad)?;
+        config.settings = (family.settings)(&raw, &fields, &config).map_err(bad)?;
+        Ok(config)
+    }
+}
+pub use crate::weights::QuantizedWeights;
 
 /// A loaded decoder model: llama, mistral, qwen2, qwen3, Gemma 3 or
 /// Gemma 4 (text).
 pub struct Model {
     config: ModelConfig,
-    decoder: Decoder,
+    decoder: Box<dyn Decoder>,
+    /// The layers this process holds (all, unless it is a pipeline stage).
+    stage: Stage,
     pass_cost_tokens: usize,
 }
 
@@ -46,29 +100,129 @@ impl std::fmt::Debug for Model {
     }
 }
 
+/// How to load a model folder: [`Model::loader`], then the settings, then
+/// [`load`](Self::load).
+///
+/// ```no_run
+/// use mlx_engine::{MemoryMode, Model, QuantizedWeights};
+///
+/// let model = Model::loader("models/fused")
+///     .quantized(QuantizedWeights::DequantizeOnUse)
+///     .memory(MemoryMode::MappedTables)
+///     .load()?;
+/// # Ok::<(), mlx_engine::Error>(())
+/// ```
+#[derive(Debug)]
+#[must_use = "a loader does nothing until `load` is called"]
+pub struct ModelLoader {
+    dir: PathBuf,
+    quantized: Option<QuantizedWeights>,
+    memory: MemoryMode,
+    lora: Vec<BlockLoraSource>,
+    placement: Placement,
+    kernels: Option<Kernels>,
+}
+
+impl ModelLoader {
+    /// How to hold quantized weights (default: the faster for the device
+    /// MLX uses, [`QuantizedWeights::for_device`]).
+    pub fn quantized(mut self, quantized: QuantizedWeights) -> ModelLoader {
+        self.quantized = Some(quantized);
+        self
+    }
+
+    /// Where the weights live (default [`MemoryMode::Resident`]).
+    pub fn memory(mut self, memory: MemoryMode) -> ModelLoader {
+        self.memory = memory;
+        self
+    }
+
+    /// Adapters fused into each layer as it is read, with
+    /// [`MemoryMode::Streamed`] (see `EngineConfig::lora`); with another
+    /// mode, [`load`](Self::load) is [`Error::Config`]: the adapter is
+    /// fused into the layers only when they are streamed.
+    pub fn lora(mut self, lora: Vec<BlockLoraSource>) -> ModelLoader {
+        self.lora = lora;
+        self
+    }
+
+    /// Loads as one rank of `placement`: a pipeline stage loads only its
+    /// layers (see [`Placement`]). Every rank of the group must load; each
+    /// checks with the others that they loaded the same model. Default
+    /// [`Placement::Local`].
+    pub fn placement(mut self, placement: &Placement) -> ModelLoader {
+        self.placement = placement.clone();
+        self
+    }
+
+    /// Which kernels multiply dense weights (default: [`Kernels::from_env`],
+    /// [`Kernels::Native`] unless `MLX_LOWMEM_KERNELS` says otherwise).
+    pub fn kernels(mut self, kernels: Kernels) -> ModelLoader {
+        self.kernels = Some(kernels);
+        self
+    }
+
+    /// Loads the model.
+    ///
+    /// # Errors
+    /// What the folder lacks or holds wrong, naming the file and key
+    /// ([`Error::MissingWeight`], [`Error::WeightShape`], [`Error::Config`],
+    /// [`Error::UnsupportedArchitecture`], …); with a distributed placement,
+    /// [`Error::Distributed`] when the ranks disagree.
+    pub fn load(self) -> Result<Model> {
+        let quantized = self
+            .quantized
+            .unwrap_or_else(|| QuantizedWeights::for_device(mlx_support::current_device()));
+        let kernels = match self.kernels {
+            Some(kernels) => kernels,
+            None => Kernels::from_env()?,
+        };
+        Model::load_placed(
+            &self.dir,
+            Settings {
+                quantized,
+                kernels,
+                memory: self.memory,
+            },
+            self.lora,
+            &self.placement,
+        )
+    }
+}
+
+/// How a loader holds and multiplies the weights.
+struct Settings {
+    quantized: QuantizedWeights,
+    kernels: Kernels,
+    memory: MemoryMode,
+}
+
 impl Model {
-    /// Loads `dir` (mlx_lm format: `config.json` + safetensors) into
-    /// memory ([`MemoryMode::Resident`]).
-    pub fn load(dir: &Path, quantized: QuantizedWeights) -> Result<Model> {
-        Model::load_with(dir, quantized, MemoryMode::Resident)
+    /// A loader for `dir` (mlx_lm format: `config.json` + safetensors),
+    /// with the defaults: resident weights, quantized ones held the faster
+    /// way for the device, no adapter, this process alone.
+    pub fn loader(dir: impl Into<PathBuf>) -> ModelLoader {
+        ModelLoader {
+            dir: dir.into(),
+            quantized: None,
+            memory: MemoryMode::Resident,
+            lora: Vec::new(),
+            placement: Placement::Local,
+            kernels: None,
+        }
     }
 
-    /// Loads `dir`, its weights held as `memory` says.
-    pub fn load_with(dir: &Path, quantized: QuantizedWeights, memory: MemoryMode) -> Result<Model> {
-        Model::load_with_lora(dir, quantized, memory, Vec::new())
-    }
-
-    /// Loads `dir` with `memory` [`MemoryMode::Streamed`], each layer
-    /// adapted by `lora` as it is read (see `EngineConfig::lora`); with no
-    /// sources, [`load_with`](Self::load_with). Sources for another mode
-    /// are [`Error::Config`]: the adapter is fused into the layers only
-    /// when they are streamed.
-    pub fn load_with_lora(
+    fn load_placed(
         dir: &Path,
-        quantized: QuantizedWeights,
-        memory: MemoryMode,
+        settings: Settings,
         lora: Vec<BlockLoraSource>,
+        placement: &Placement,
     ) -> Result<Model> {
+        let Settings {
+            quantized,
+            kernels,
+            memory,
+        } = settings;
         if !lora.is_empty() && memory != MemoryMode::Streamed {
             return Err(Error::Config {
                 path: dir.to_path_buf(),
@@ -83,31 +237,68 @@ impl Model {
             set: &set,
             quant: &config.quantization,
             mode: quantized,
+            products: Products::at_load(kernels),
             memory,
             streamed: None,
             lora: &lora,
         };
-        let layers_prefix = match &config.gemma {
-            Some(spec) => format!("{}layers.", KeyPrefixes::find(spec, &w)?.text),
-            None => "model.layers.".to_owned(),
-        };
+        let family =
+            family_of(&config.model_type).ok_or_else(|| Error::UnsupportedArchitecture {
+                model_type: config.model_type.clone(),
+                supported: config::SUPPORTED,
+            })?;
         // The config's layer count is checked against the layers the files
         // hold before anything is sized by it.
-        let prefix = st_mmap::BlockPrefix::new(layers_prefix.as_str());
+        let prefix = (family.layers_prefix)(&config, &w)?.children();
         let present = st_mmap::BlockIndex::build(&prefix, set.keys())?.len();
         if config.num_hidden_layers > present {
             return Err(Error::Config {
                 path: dir.join("config.json"),
                 message: format!(
-                    "num_hidden_layers is {} but the weights hold {present} layers ({layers_prefix}N)",
-                    config.num_hidden_layers
+                    "num_hidden_layers is {} but the weights hold {present} layers ({}N)",
+                    config.num_hidden_layers,
+                    prefix.as_str()
                 ),
             });
         }
-        let decoder = match &config.gemma {
-            Some(spec) => Decoder::Gemma(Gemma::load(&config, spec, &w)?),
-            None => Decoder::Llama(Llama::load(&config, &w)?),
+        let mut stage = match placement {
+            Placement::Pipeline { group, layers } if !group.is_single() => {
+                let n = config.num_hidden_layers;
+                let can_cut = |i: usize| (family.can_cut_before)(&config, i);
+                let refused = |message: String| Error::Distributed {
+                    rank: group.rank(),
+                    message: format!("pipeline layers: {message}"),
+                };
+                let ranges = match layers {
+                    Some(ranges) => {
+                        split::checked(ranges, n, group.size(), can_cut).map_err(refused)?;
+                        ranges.clone()
+                    }
+                    None => {
+                        let tables_mapped = memory != MemoryMode::Resident;
+                        let resident = ResidentBytes::of(&set, &prefix, n, tables_mapped);
+                        split::by_bytes_where(
+                            &resident.layers,
+                            resident.first,
+                            resident.last,
+                            group.size(),
+                            can_cut,
+                        )
+                        .map_err(refused)?
+                    }
+                };
+                Stage::part(group.clone(), ranges[group.rank()].clone(), n)
+            }
+            _ => Stage::whole(config.num_hidden_layers),
         };
+        let decoder = (family.load)(&config, &w, &stage)?;
+        if let Some(group) = placement.group() {
+            let hidden_dtype = decoder.hidden_dtype()?;
+            let layers = stage.is_split().then(|| stage.layers());
+            let digest = distributed::model_digest(dir, &set)?;
+            let agreed = distributed::agree(group, &digest, layers, hidden_dtype)?;
+            stage.set_hidden_dtype(agreed.hidden_dtype);
+        }
         // What the model holds is copied out of the files, and a table left
         // in them is read with positioned reads, so no page of the files
         // needs to stay mapped in. Each copied tensor's pages were released
@@ -130,8 +321,36 @@ impl Model {
         Ok(Model {
             config,
             decoder,
+            stage,
             pass_cost_tokens,
         })
+    }
+
+    /// The key prefix of `dir`'s decoder layers (`model.layers.`, or where
+    /// a Gemma checkpoint keeps them), as its family names them.
+    pub(crate) fn layers_prefix(dir: &Path) -> Result<String> {
+        let config = ModelConfig::load(dir)?;
+        let set = Arc::new(SafetensorsSet::open_dir(dir)?);
+        let family =
+            family_of(&config.model_type).ok_or_else(|| Error::UnsupportedArchitecture {
+                model_type: config.model_type.clone(),
+                supported: config::SUPPORTED,
+            })?;
+        let lora = Arc::new(Vec::new());
+        let w = Weights {
+            dir,
+            set: &set,
+            quant: &config.quantization,
+            mode: QuantizedWeights::Keep,
+            products: Products::at_load(Kernels::Portable),
+            memory: MemoryMode::Streamed,
+            streamed: None,
+            lora: &lora,
+        };
+        Ok((family.layers_prefix)(&config, &w)?
+            .children()
+            .as_str()
+            .to_owned())
     }
 
     /// What one forward's pass over the weights costs beside the products
@@ -139,7 +358,7 @@ impl Model {
     /// backend (memory bandwidth and GEMM rate of the project's machine),
     /// with which batched prefill weighs padding rows to a common length
     /// against running them in separate forwards.
-    pub fn pass_cost_tokens(&self) -> usize {
+    pub(crate) fn pass_cost_tokens(&self) -> usize {
         self.pass_cost_tokens
     }
 
@@ -151,7 +370,7 @@ impl Model {
     /// Logits `(B, L, vocab)` for `tokens` `(B, L)` (int32), continuing from
     /// `cache`, which is extended with these positions. New positions see
     /// the shared prefix (see [`KvCache::fork`]) and the rows' own earlier
-    /// positions, never a row's left padding (see [`KvCache::set_pads`]),
+    /// positions, never a row's left padding (see [`KvCache::fork_padded`]),
     /// and on sliding-window layers only the window's latest positions.
     pub fn forward(&self, tokens: &Array, cache: &mut KvCache) -> Result<Array> {
         let x = self.hidden(tokens, cache, false)?;
@@ -209,10 +428,7 @@ impl Model {
 
     /// Whether the layers are read from the files at each forward.
     pub(crate) fn streams_layers(&self) -> bool {
-        match &self.decoder {
-            Decoder::Gemma(g) => g.streams_layers(),
-            Decoder::Llama(m) => m.streams_layers(),
-        }
+        self.decoder.streams_layers()
     }
 
     /// Each forward's last hidden states; with `last_only`, possibly of
@@ -223,10 +439,8 @@ impl Model {
         caches: &mut [KvCache],
         last_only: bool,
     ) -> Result<Vec<Array>> {
-        match &self.decoder {
-            Decoder::Gemma(g) => g.hidden_each(&self.config, tokens, caches, last_only),
-            Decoder::Llama(m) => m.hidden_each(&self.config, tokens, caches, last_only),
-        }
+        self.decoder
+            .hidden_each(&self.config, &self.stage, tokens, caches, last_only)
     }
 
     /// The logits `(…, vocab)` of hidden states `(…, hidden)`: the final
@@ -234,9 +448,51 @@ impl Model {
     /// costs one pass over the projection's weights (with the tables
     /// mapped, one read of the table), not one per prefill group.
     pub(crate) fn head(&self, x: &Array) -> Result<Array> {
-        match &self.decoder {
-            Decoder::Gemma(g) => g.head(&self.config, x),
-            Decoder::Llama(m) => m.head(&self.config, x),
+        self.stage.logits(x, self.config.vocab_size, || {
+            self.decoder.head(&self.config, x)
+        })
+    }
+}
+
+/// What a pipeline stage holds in memory, by part: the bytes that decide
+/// an even split.
+struct ResidentBytes {
+    layers: Vec<u64>,
+    /// The embedding table, on the first stage (none when tables are left
+    /// in their files).
+    first: u64,
+    /// The final norm and an untied output head, on the last stage.
+    last: u64,
+}
+
+impl ResidentBytes {
+    fn of(
+        set: &SafetensorsSet,
+        prefix: &st_mmap::BlockPrefix,
+        layers: usize,
+        tables_mapped: bool,
+    ) -> Self {
+        let mut bytes = ResidentBytes {
+            layers: vec![0; layers],
+            first: 0,
+            last: 0,
+        };
+        for key in set.keys() {
+            let size = set.tensor(key).map_or(0, |t| t.data.len() as u64);
+            match prefix.parse(key) {
+                Ok(Some((i, _))) if i < layers => bytes.layers[i] += size,
+                Ok(Some(_)) | Err(_) => {}
+                // Gemma 4's per-layer table is on every stage: it does not
+                // move the cut.
+                Ok(None) if key.contains("embed_tokens_per_layer") => {}
+                Ok(None) if key.contains("embed_tokens") => {
+                    if !tables_mapped {
+                        bytes.first += size;
+                    }
+                }
+                Ok(None) => bytes.last += size,
+            }
         }
+        bytes
     }
 }

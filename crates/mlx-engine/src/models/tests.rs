@@ -5,88 +5,26 @@
 use std::path::Path;
 use std::process::Command;
 use test_support::python::mlx_lm_python;
+use test_support::tiny_llama::{normal, Norms, TinyLlama};
 
 use crate::error::Error;
 use crate::models::{Model, QuantizedWeights};
 use crate::nn::cache::KvCache;
+use crate::weights::kernels::Kernels;
 use mlx_rs::{Array, Dtype};
 
-fn normal(shape: &[i32], seed: u64, std: f32) -> Array {
-    let key = mlx_rs::random::key(seed).unwrap();
-    mlx_rs::random::normal::<f32>(shape, None, std, &key).unwrap()
-}
-
 /// A tiny random model of `model_type` in mlx_lm's format.
-fn write_model(dir: &Path, model_type: &str) {
-    std::fs::create_dir_all(dir).unwrap();
-    let (hidden, layers, inter, heads, kv, vocab) = (64, 2, 128, 4, 2, 50);
-    let config = serde_json::json!({
-        "model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": inter,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-5, "vocab_size": vocab,
-        "rope_theta": 10000.0, "tie_word_embeddings": model_type != "mistral", "head_dim": hidden / heads,
-        "max_position_embeddings": 512
-    });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let hd = hidden / heads;
-    let mut seed = 100;
-    let mut w = |shape: &[i32], std: f32| {
-        seed += 1;
-        normal(shape, seed, std)
-    };
-    let mut weights = vec![(
-        "model.embed_tokens.weight".to_owned(),
-        w(&[vocab, hidden], 0.5),
-    )];
-    weights.push((
-        "model.norm.weight".into(),
-        w(&[hidden], 0.1).add(Array::from_f32(1.0)).unwrap(),
-    ));
-    if model_type == "mistral" {
-        weights.push(("lm_head.weight".into(), w(&[vocab, hidden], 0.1)));
+fn write_model(dir: &Path, model_type: &'static str) {
+    TinyLlama {
+        vocab: 50,
+        seed: 100,
+        embed_std: 0.5,
+        weight_std: 0.15,
+        norms: Norms::Random { std: 0.1 },
+        config: serde_json::json!({"head_dim": 16, "max_position_embeddings": 512}),
+        ..TinyLlama::new(model_type)
     }
-    for i in 0..layers {
-        let p = format!("model.layers.{i}.");
-        for (name, out, inp) in [
-            ("self_attn.q_proj", heads * hd, hidden),
-            ("self_attn.k_proj", kv * hd, hidden),
-            ("self_attn.v_proj", kv * hd, hidden),
-            ("self_attn.o_proj", hidden, heads * hd),
-            ("mlp.gate_proj", inter, hidden),
-            ("mlp.up_proj", inter, hidden),
-            ("mlp.down_proj", hidden, inter),
-        ] {
-            weights.push((format!("{p}{name}.weight"), w(&[out, inp], 0.15)));
-            if model_type == "qwen2"
-                && ["q_proj", "k_proj", "v_proj"]
-                    .iter()
-                    .any(|s| name.ends_with(s))
-            {
-                weights.push((format!("{p}{name}.bias"), w(&[out], 0.1)));
-            }
-        }
-        if model_type == "qwen3" {
-            weights.push((
-                format!("{p}self_attn.q_norm.weight"),
-                w(&[hd], 0.1).add(Array::from_f32(1.0)).unwrap(),
-            ));
-            weights.push((
-                format!("{p}self_attn.k_norm.weight"),
-                w(&[hd], 0.1).add(Array::from_f32(1.0)).unwrap(),
-            ));
-        }
-        for norm in ["input_layernorm", "post_attention_layernorm"] {
-            weights.push((
-                format!("{p}{norm}.weight"),
-                w(&[hidden], 0.1).add(Array::from_f32(1.0)).unwrap(),
-            ));
-        }
-    }
-    Array::save_safetensors(
-        weights.iter().map(|(k, v)| (k.as_str(), v)),
-        None,
-        dir.join("model.safetensors"),
-    )
-    .unwrap();
+    .write(dir);
 }
 
 fn last_logits(logits: &Array, row: i32) -> Vec<f32> {
@@ -124,13 +62,11 @@ fn cached_decoding_equals_the_full_prompt() {
     for arch in ["llama", "mistral", "qwen2", "qwen3"] {
         let dir = tempfile::tempdir().unwrap();
         write_model(dir.path(), arch);
-        let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
-        let full = last_logits(
-            &model
-                .forward(&tokens(&PROMPT), &mut KvCache::new())
-                .unwrap(),
-            0,
-        );
+        let model = Model::loader(dir.path())
+            .quantized(QuantizedWeights::Keep)
+            .load()
+            .unwrap();
+        let full = alone(&model, &PROMPT);
         // The first four positions, then one at a time.
         let mut cache = KvCache::new();
         model.forward(&tokens(&PROMPT[..4]), &mut cache).unwrap();
@@ -147,7 +83,10 @@ fn cached_decoding_equals_the_full_prompt() {
 fn last_position_logits_equal_the_full_forwards_last_row() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), "llama");
-    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     let batch = Array::from_slice(&[PROMPT, [7, 6, 5, 4, 3, 2, 1]].concat(), &[2, 7]);
     let full = model.forward(&batch, &mut KvCache::new()).unwrap();
     let mut cache = KvCache::new();
@@ -167,7 +106,10 @@ fn last_position_logits_equal_the_full_forwards_last_row() {
 fn shared_prefix_cache_equals_the_full_prompt_for_every_row() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), "llama");
-    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     let prefix = [3, 17, 42];
     let mut shared = KvCache::new();
     model.forward(&tokens(&prefix), &mut shared).unwrap();
@@ -192,7 +134,10 @@ fn shared_prefix_cache_equals_the_full_prompt_for_every_row() {
 fn left_padded_batch_equals_one_at_a_time() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), "qwen2");
-    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     let rows: [&[i32]; 3] = [&[4, 8, 15, 16, 23, 42], &[7, 1], &[9, 9, 9, 9]];
     let width = 6;
     let pads: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
@@ -273,7 +218,7 @@ fn quantized_weights_kept_or_dequantized_agree() {
     );
 
     let logits = |mode| {
-        let model = Model::load(qdir.path(), mode).unwrap();
+        let model = Model::loader(qdir.path()).quantized(mode).load().unwrap();
         let logits = model.forward(&tokens(&PROMPT), &mut KvCache::new());
         last_logits(&logits.unwrap(), 0)
     };
@@ -301,7 +246,10 @@ fn unknown_architecture_lists_the_supported_ones() {
         .unwrap()
         .replace("\"llama\"", "\"gpt_neox\"");
     std::fs::write(dir.path().join("config.json"), config).unwrap();
-    let err = Model::load(dir.path(), QuantizedWeights::Keep).unwrap_err();
+    let err = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap_err();
     assert!(
         matches!(&err, Error::UnsupportedArchitecture { model_type, supported } if model_type == "gpt_neox" && supported.contains(&"qwen3")),
         "{err}"
@@ -335,15 +283,23 @@ fn logits_match_mlx_lm() {
     for arch in ["llama", "mistral", "qwen2", "qwen3"] {
         let dir = tempfile::tempdir().unwrap();
         write_model(dir.path(), arch);
-        let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
-        let ours = last_logits(
-            &model
-                .forward(&tokens(&PROMPT), &mut KvCache::new())
-                .unwrap(),
-            0,
-        );
         let theirs = mlx_lm_logits(&python, dir.path());
-        assert_close(&ours, &theirs, 1e-4, &format!("{arch} vs mlx_lm"));
+        // Both ways: the few-rows kernel where this CPU has it, and MLX's
+        // products alone (what every other machine runs).
+        for kernels in [Kernels::Native, Kernels::Portable] {
+            let model = Model::loader(dir.path())
+                .quantized(QuantizedWeights::Keep)
+                .kernels(kernels)
+                .load()
+                .unwrap();
+            let ours = alone(&model, &PROMPT);
+            assert_close(
+                &ours,
+                &theirs,
+                1e-4,
+                &format!("{arch} ({kernels:?} kernels) vs mlx_lm"),
+            );
+        }
     }
 }
 
@@ -380,7 +336,10 @@ fn rope_with_per_row_offsets_equals_row_by_row() {
 fn padded_suffixes_after_a_shared_prefix_equal_each_row_alone() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), "llama");
-    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     let prefix = [3, 17, 42, 8];
     let mut shared = KvCache::new();
     model.forward(&tokens(&prefix), &mut shared).unwrap();
@@ -418,7 +377,10 @@ fn a_prefill_that_keeps_no_keys_gives_the_same_logits() {
     for model_type in ["llama", "mistral"] {
         let dir = tempfile::tempdir().unwrap();
         write_model(dir.path(), model_type);
-        let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+        let model = Model::loader(dir.path())
+            .quantized(QuantizedWeights::Keep)
+            .load()
+            .unwrap();
         let mut shared = KvCache::new();
         model
             .forward(&tokens(&[3, 17, 42, 8]), &mut shared)
@@ -450,7 +412,10 @@ fn a_prefill_that_keeps_no_keys_gives_the_same_logits() {
 fn stacked_caches_decode_like_each_row_alone() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), "qwen2");
-    let model = Model::load(dir.path(), QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     let prefix = [3, 17, 42, 8];
     let mut shared = KvCache::new();
     model.forward(&tokens(&prefix), &mut shared).unwrap();
@@ -521,13 +486,11 @@ fn mixed_precision_checkpoints_match_mlx_lm() {
         }),
     );
 
-    let model = Model::load(qdir.path(), QuantizedWeights::DequantizeOnUse).unwrap();
-    let ours = last_logits(
-        &model
-            .forward(&tokens(&PROMPT), &mut KvCache::new())
-            .unwrap(),
-        0,
-    );
+    let model = Model::loader(qdir.path())
+        .quantized(QuantizedWeights::DequantizeOnUse)
+        .load()
+        .unwrap();
+    let ours = alone(&model, &PROMPT);
     let theirs = mlx_lm_logits(&python, qdir.path());
     assert_close(&ours, &theirs, 1e-4, "mixed precision vs mlx_lm");
 }

@@ -84,7 +84,7 @@ pub(crate) fn at_position(a: &Array, axis: i32, at: i32) -> Result<Array> {
 /// every row attends to. Attention reads it with one matrix product for the
 /// whole batch, and it is never repeated per row (the way a prompt cache is
 /// usually copied into every row of a batch). Positions after it are *owned*
-/// by the rows, left-padded by [`pads`](Self::pads) where rows differ in
+/// by the rows, left-padded ([`fork_padded`](Self::fork_padded)) where rows differ in
 /// length; a mask passed to [`Model::forward`](crate::Model::forward)
 /// covers the owned positions only.
 #[derive(Debug, Clone, Default)]
@@ -121,7 +121,7 @@ impl KvCache {
     }
 
     /// Per row, how many of its first owned slots are padding.
-    pub fn pads(&self) -> &[i32] {
+    pub(crate) fn pads(&self) -> &[i32] {
         &self.pads
     }
 
@@ -131,7 +131,7 @@ impl KvCache {
     /// # Errors
     /// [`Error::Cache`](crate::Error::Cache) once owned positions exist, for
     /// a negative pad, or when a forked cache's row count differs.
-    pub fn set_pads(&mut self, pads: Vec<i32>) -> Result<()> {
+    pub(crate) fn set_pads(&mut self, pads: Vec<i32>) -> Result<()> {
         if self.own_len != 0 {
             return Err(cache_err(format!(
                 "padding is set before the rows own positions; they own {}",
@@ -162,9 +162,23 @@ impl KvCache {
         self.discard_owned = true;
     }
 
-    /// Positions owned by the rows (padding included): what a mask's last
-    /// axis covers, before the new positions.
-    pub fn own_len(&self) -> i32 {
+    /// A cache for one row per entry of `pads` that all continue from this
+    /// one-row cache, row `i` left-padded by `pads[i]` slots: for a batch
+    /// of suffixes of different lengths, each padded on the left to the
+    /// longest, as mlx_lm pads a batch. The model's masks hide the padding.
+    ///
+    /// # Errors
+    /// [`Error::Cache`](crate::Error::Cache) for a negative pad, or when
+    /// this cache holds more than one row.
+    pub fn fork_padded(&self, pads: Vec<i32>) -> Result<KvCache> {
+        let mut cache = self.fork(pads.len() as i32)?;
+        cache.set_pads(pads)?;
+        Ok(cache)
+    }
+
+    /// Positions owned by the rows (padding included), for tests.
+    #[cfg(test)]
+    pub(crate) fn own_len(&self) -> i32 {
         self.own_len
     }
 
@@ -238,7 +252,7 @@ impl KvCache {
     /// Stacks caches forked from the same one along the batch axis, with
     /// room for `spare` more positions. Those with fewer owned positions
     /// than the longest are left-padded, counted in [`pads`](Self::pads).
-    pub fn stack(mut parts: Vec<KvCache>, spare: i32) -> Result<KvCache> {
+    pub(crate) fn stack(mut parts: Vec<KvCache>, spare: i32) -> Result<KvCache> {
         if parts.len() == 1 {
             // One part: nothing to pad or join; appending grows it once.
             return Ok(parts.pop().expect("one part"));
@@ -502,7 +516,7 @@ mod tests {
                 "step {step}: {} slots",
                 held(0)
             );
-            assert!(held(1) >= cache.own_len());
+            assert!(held(1) >= cache.own_len);
         }
         // The prefix a fork shares: the window's last positions only.
         let forked = cache.fork(3).unwrap();
@@ -528,7 +542,7 @@ mod tests {
         assert_eq!((kk.shape(), vv.shape()), (k.shape(), v.shape()));
         cache.advance(4).unwrap();
         assert!(cache.owned.iter().all(Option::is_none));
-        assert_eq!((cache.len(), cache.own_len()), (9, 4));
+        assert_eq!((cache.len(), cache.own_len), (9, 4));
         assert_eq!(cache.shared(0).unwrap().0.dim(1), 5, "the prefix stays");
         match cache.append(0, positions(3, 1), positions(3, 1), None) {
             Err(crate::Error::Cache(message)) => assert!(message.contains("keeps no")),

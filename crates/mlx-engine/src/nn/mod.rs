@@ -5,6 +5,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod cache;
+pub(crate) mod experts;
 pub(crate) mod fused;
 pub(crate) mod mlp;
 pub(crate) mod rope;

@@ -8,12 +8,12 @@
 //! Nobody waits forever.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 
-use crate::error::EngineError;
+use crate::error::{panic_message, EngineError};
 use crate::models::{MemoryMode, Model, QuantizedWeights};
 use crate::runtime::generate::{generate_batch, GenSettings, GenState, Generation};
 use crate::runtime::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
@@ -21,11 +21,21 @@ use crate::tokenizer::{Message, Tokenizer};
 
 /// What a job submitted with [`MlxEngine::submit`] gets to work with.
 pub struct Worker {
+    model: Arc<Model>,
+    tokenizer: Tokenizer,
+    state: GenState,
+}
+
+impl Worker {
     /// The loaded model.
-    pub model: Model,
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
     /// Its tokenizer.
-    pub tokenizer: Tokenizer,
-    pub(crate) state: GenState,
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
 }
 
 impl std::fmt::Debug for Worker {
@@ -75,15 +85,24 @@ impl<T> std::future::Future for Reply<T> {
     }
 }
 
+/// The worker's queue and thread.
+#[derive(Debug)]
+struct Running {
+    tx: Sender<Command>,
+    handle: JoinHandle<()>,
+}
+
 /// Batched generation on a worker thread that owns MLX.
 #[derive(Debug)]
 pub struct MlxEngine {
     /// The worker's thread: a call from it would wait for itself.
     worker: std::thread::ThreadId,
-    tx: Mutex<Option<Sender<Command>>>,
-    loaded: Mutex<Option<Result<(), EngineError>>>,
-    load_rx: Mutex<Option<oneshot::Receiver<Result<(), EngineError>>>>,
-    handle: Mutex<Option<JoinHandle<()>>>,
+    /// The worker's queue and thread, until the engine is closed.
+    running: Mutex<Option<Running>>,
+    /// The load's result, once the worker has it.
+    loaded: Arc<OnceLock<Result<(), EngineError>>>,
+    /// With a distributed placement: how long blocking calls wait.
+    peer_timeout: Option<std::time::Duration>,
 }
 
 impl MlxEngine {
@@ -95,14 +114,16 @@ impl MlxEngine {
                 "batch_size must be at least 1".into(),
             ));
         }
+        let peer_timeout = config.placement.group().map(|_| config.peer_timeout);
         let (tx, rx) = unbounded::<Command>();
-        let (load_tx, load_rx) = oneshot::channel();
+        let loaded = Arc::new(OnceLock::new());
+        let load_result = loaded.clone();
         let handle = std::thread::Builder::new()
             .name(config.worker_name.clone())
             .spawn(move || {
                 let mut worker = catch_unwind(AssertUnwindSafe(|| load(config)))
                     .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
-                let _ = load_tx.send(worker.as_ref().map(|_| ()).map_err(Clone::clone));
+                let _ = load_result.set(worker.as_ref().map(|_| ()).map_err(Clone::clone));
                 for command in rx {
                     match command {
                         Command::Run(job) => job(worker.as_mut().map_err(|e| &*e)),
@@ -113,61 +134,55 @@ impl MlxEngine {
             .map_err(|e| EngineError::Spawn(e.to_string()))?;
         Ok(MlxEngine {
             worker: handle.thread().id(),
-            tx: Mutex::new(Some(tx)),
-            loaded: Mutex::new(None),
-            load_rx: Mutex::new(Some(load_rx)),
-            handle: Mutex::new(Some(handle)),
+            running: Mutex::new(Some(Running { tx, handle })),
+            loaded,
+            peer_timeout,
         })
     }
 
     /// Waits for the load to finish; returns its error (every time) or Ok.
     pub fn ensure_loaded(&self) -> Result<(), EngineError> {
-        self.ensure_loaded_async().wait()
+        self.wait_for_peers(self.ensure_loaded_async())
+    }
+
+    /// Waits for `reply`; with a distributed placement, at most the peer
+    /// timeout, after which the engine is abandoned: its worker may be
+    /// blocked in MLX waiting for a peer and cannot be stopped, so it is
+    /// left to end with the process.
+    fn wait_for_peers<T>(&self, reply: Reply<T>) -> Result<T, EngineError> {
+        let Some(timeout) = self.peer_timeout else {
+            return reply.wait();
+        };
+        match reply.0.recv_timeout(timeout) {
+            Ok(result) => result,
+            Err(oneshot::RecvTimeoutError::Timeout) => {
+                // Dropping the handle detaches the thread: joining it could
+                // wait forever.
+                self.running.lock().expect("not poisoned").take();
+                Err(EngineError::PeerTimeout { waited: timeout })
+            }
+            Err(oneshot::RecvTimeoutError::Disconnected) => Err(EngineError::Closed),
+        }
     }
 
     /// [`ensure_loaded`](Self::ensure_loaded) as a [`Reply`]: resolves when
     /// the load has finished, without blocking the caller.
     pub fn ensure_loaded_async(&self) -> Reply<()> {
-        if self.tx.lock().expect("not poisoned").is_none() {
+        if !self.is_running() {
             return Reply::ready(Err(EngineError::Closed));
         }
         if std::thread::current().id() == self.worker {
             return Reply::ready(Err(EngineError::CalledFromWorker));
         }
-        if let Some(loaded) = self.load_result(false) {
-            return Reply::ready(loaded);
+        if let Some(loaded) = self.loaded.get() {
+            return Reply::ready(loaded.clone());
         }
         // The worker runs jobs only after loading: this one sees the result.
-        let reply = self.send(|worker| worker.map(|_| ()).map_err(Clone::clone));
-        if self.tx.lock().expect("not poisoned").is_some() {
-            return reply;
-        }
-        // Closed meanwhile.
-        Reply::ready(Err(EngineError::Closed))
+        self.send(|worker| worker.map(|_| ()).map_err(Clone::clone))
     }
 
-    /// The load's result once the worker has sent it; `block` waits for it.
-    fn load_result(&self, block: bool) -> Option<Result<(), EngineError>> {
-        let mut loaded = self.loaded.lock().expect("not poisoned");
-        if loaded.is_none() {
-            let mut slot = self.load_rx.lock().expect("not poisoned");
-            let received = match slot.take() {
-                None => Some(Err(EngineError::Closed)),
-                Some(rx) if block => Some(rx.recv().unwrap_or(Err(EngineError::Closed))),
-                Some(rx) => match rx.try_recv() {
-                    Ok(result) => Some(result),
-                    Err(oneshot::TryRecvError::Empty) => {
-                        *slot = Some(rx);
-                        None
-                    }
-                    Err(oneshot::TryRecvError::Disconnected) => Some(Err(EngineError::Closed)),
-                },
-            };
-            if received.is_some() {
-                *loaded = received;
-            }
-        }
-        loaded.clone()
+    fn is_running(&self) -> bool {
+        self.running.lock().expect("not poisoned").is_some()
     }
 
     fn send<T: Send + 'static>(
@@ -186,11 +201,11 @@ impl MlxEngine {
             let _ = reply_tx.send(result);
         }));
         let sent = self
-            .tx
+            .running
             .lock()
             .expect("not poisoned")
             .as_ref()
-            .is_some_and(|tx| tx.send(command).is_ok());
+            .is_some_and(|running| running.tx.send(command).is_ok());
         if sent {
             Reply(reply_rx)
         } else {
@@ -233,7 +248,7 @@ impl MlxEngine {
         conversations: Vec<Vec<Message>>,
         options: GenerateOptions,
     ) -> Result<Generation, EngineError> {
-        self.generate_async(conversations, options).wait()
+        self.wait_for_peers(self.generate_async(conversations, options))
     }
 
     /// The process's peak resident set size in bytes, from the OS (`VmHWM`
@@ -251,13 +266,13 @@ impl MlxEngine {
     /// [`EngineError::Closed`]. Called from a job on the worker itself, it
     /// stops the worker after that job without waiting for it.
     pub fn close(&self) {
-        if let Some(tx) = self.tx.lock().expect("not poisoned").take() {
-            let _ = tx.send(Command::Close);
-        }
-        if std::thread::current().id() == self.worker {
+        let Some(Running { tx, handle }) = self.running.lock().expect("not poisoned").take() else {
             return;
-        }
-        if let Some(handle) = self.handle.lock().expect("not poisoned").take() {
+        };
+        let _ = tx.send(Command::Close);
+        // On the worker itself, the thread ends after this job: joining it
+        // would wait for itself.
+        if std::thread::current().id() != self.worker {
             let _ = handle.join();
         }
     }
@@ -269,14 +284,6 @@ impl Drop for MlxEngine {
     }
 }
 
-fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".to_owned())
-}
-
 fn load(config: EngineConfig) -> Result<Worker, EngineError> {
     let _span = tracing::info_span!("load", model_dir = %config.model_dir.display()).entered();
     let err = |e: crate::Error| EngineError::Load(Arc::new(e));
@@ -285,7 +292,22 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
     let quantized = config
         .quantized
         .unwrap_or_else(|| QuantizedWeights::for_device(device));
-    let memory = match (config.memory, config.lora.is_empty()) {
+    let mut lora = config.lora;
+    if !config.adapters.is_empty() {
+        let prefix = Model::layers_prefix(&config.model_dir).map_err(err)?;
+        for dir in &config.adapters {
+            let source = block_stream::MlxLmAdapter::open(dir)
+                .and_then(|a| a.block_source(&prefix))
+                .map_err(|source| {
+                    err(crate::Error::Stream {
+                        dir: dir.clone(),
+                        source,
+                    })
+                })?;
+            lora.push(source);
+        }
+    }
+    let memory = match (config.memory, lora.is_empty()) {
         (Some(memory), true) => memory,
         (None, true) => MemoryMode::for_model_dir(&config.model_dir),
         (None | Some(MemoryMode::Streamed), false) => MemoryMode::Streamed,
@@ -297,8 +319,15 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         }
     };
     tracing::info!(?memory, ?quantized, "loading the model");
-    let model =
-        Model::load_with_lora(&config.model_dir, quantized, memory, config.lora).map_err(err)?;
+    let mut loader = Model::loader(&config.model_dir)
+        .quantized(quantized)
+        .memory(memory)
+        .lora(lora)
+        .placement(&config.placement);
+    if let Some(kernels) = config.kernels {
+        loader = loader.kernels(kernels);
+    }
+    let model = loader.load().map_err(err)?;
     let tokenizer = Tokenizer::load(&config.model_dir).map_err(err)?;
     let processor = config.logits_processor_factory.map(|f| f(&tokenizer));
     let max_prompt_tokens = config.max_prompt_tokens.unwrap_or_else(|| {
@@ -311,12 +340,18 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         prefix_messages: config.prefix_messages,
         processor,
         batch_size: config.batch_size,
-        lanes: config
-            .lanes
-            .unwrap_or_else(|| crate::runtime::lanes::default_lanes(device, memory)),
+        // Ranks exchange in one order: one chunk at a time.
+        blas_threads: config.blas_threads,
+        lanes: match config.placement.group() {
+            Some(_) => 1,
+            None => config
+                .lanes
+                .unwrap_or_else(|| crate::runtime::lanes::default_lanes(device, memory)),
+        },
         max_prompt_tokens,
         special_tokens: config.special_tokens,
         prefix_cache: config.prefix_cache,
+        placement: config.placement.clone(),
     };
     let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
     // What the load freed (the tokenizer file's parse, transient copies,
@@ -324,6 +359,11 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
     // requests; the first chunk faults in what it needs again, once.
     let released = mlx_support::release_free_memory();
     tracing::debug!(released, "free memory handed back after the load");
+    #[expect(
+        clippy::arc_with_non_send_sync,
+        reason = "the worker's Arc crosses to the lanes only inside a ForLanes, which says why that is sound"
+    )]
+    let model = Arc::new(model);
     Ok(Worker {
         model,
         tokenizer,

@@ -5,11 +5,13 @@ use std::sync::Arc;
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::Array;
+use mlx_support::distributed::Group;
 
+use crate::distributed::{self, Placement};
 use crate::error::EngineError;
 use crate::models::Model;
 use crate::nn::cache::KvCache;
-use crate::runtime::lanes::{self, Coordinator};
+use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
 use crate::runtime::options::{GenerateOptions, LogitsProcessor, PrefixCache};
 use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
 
@@ -22,14 +24,17 @@ const PREFILL_CHUNK: usize = 256;
 pub(crate) struct GenState {
     prefix_messages: Vec<Message>,
     prefix_tokens: Vec<u32>,
-    prefix_cache: KvCache,
+    prefix_cache: Arc<KvCache>,
     processor: Option<Box<dyn LogitsProcessor>>,
     batch_size: usize,
-    /// Chunks run side by side (see [`lanes`]).
-    lanes: usize,
+    /// Runs chunks side by side (see [`lanes`]).
+    executor: Executor,
     eos: Vec<u32>,
     max_prompt_tokens: usize,
     special_tokens: SpecialTokens,
+    /// The ranks this engine generates with, if any, and whether each
+    /// answers its own share of the conversations.
+    group: Option<(Group, bool)>,
 }
 
 /// The generation settings of an [`EngineConfig`](crate::EngineConfig).
@@ -38,9 +43,11 @@ pub(crate) struct GenSettings {
     pub processor: Option<Box<dyn LogitsProcessor>>,
     pub batch_size: usize,
     pub lanes: usize,
+    pub blas_threads: BlasThreads,
     pub max_prompt_tokens: usize,
     pub special_tokens: SpecialTokens,
     pub prefix_cache: PrefixCache,
+    pub placement: Placement,
 }
 
 impl GenState {
@@ -55,10 +62,16 @@ impl GenState {
             mut processor,
             batch_size,
             lanes,
+            blas_threads,
             max_prompt_tokens,
             special_tokens,
             prefix_cache: what_to_cache,
+            placement,
         } = settings;
+        let group = placement.group().map(|g| {
+            let data = matches!(placement, Placement::DataParallel { .. });
+            (g.clone(), data)
+        });
         let prefix_tokens = if prefix_messages.is_empty() {
             Vec::new()
         } else {
@@ -89,16 +102,24 @@ impl GenState {
             }
             prefix_cache.eval()?;
         }
+        // Streamed layers run one chunk at a time, on the worker.
+        let lanes = if model.streams_layers() { 1 } else { lanes };
+        #[expect(
+            clippy::arc_with_non_send_sync,
+            reason = "the Arc crosses to the lanes only inside a ForLanes, which says why that is sound"
+        )]
+        let prefix_cache = Arc::new(prefix_cache);
         Ok(GenState {
             prefix_messages,
             prefix_tokens,
             prefix_cache,
             processor,
             batch_size,
-            lanes: lanes.max(1),
+            executor: Executor::start(lanes, blas_threads),
             eos: tokenizer.eos_ids().iter().copied().collect(),
             max_prompt_tokens,
             special_tokens,
+            group,
         })
     }
 }
@@ -157,7 +178,7 @@ pub struct Generation {
 
 /// Generates for every conversation; texts come back in the given order.
 pub(crate) fn generate_batch(
-    model: &Model,
+    model: &Arc<Model>,
     tokenizer: &Tokenizer,
     state: &mut GenState,
     conversations: &[Vec<Message>],
@@ -175,6 +196,11 @@ pub(crate) fn generate_batch(
         conversations: conversations.len(),
         ..GenerationStats::default()
     };
+    // Before anything a rank could refuse alone: the ranks were given one
+    // request, so each refuses it, or none does.
+    if let Some((group, _)) = &state.group {
+        distributed::data::same_request(group, conversations, max_tokens).map_err(gen_err)?;
+    }
     let p = state.prefix_messages.len();
     let mut suffixes = Vec::with_capacity(conversations.len());
     let vocab = model.config().vocab_size;
@@ -213,18 +239,32 @@ pub(crate) fn generate_batch(
             .last()
             .map_or(0, |m| m.content.chars().count())
     });
+    let data_parallel = match &state.group {
+        Some((group, true)) => Some(group),
+        _ => None,
+    };
+    if let Some(group) = data_parallel {
+        let lengths: Vec<usize> = suffixes.iter().map(Vec::len).collect();
+        let owner = distributed::data::shares(&lengths, group.size());
+        order.retain(|&i| owner[i] == group.rank());
+    }
     // Every lane gets a chunk: with fewer conversations than lanes times
     // the batch size, the chunks are made smaller and even.
-    let lanes = if model.streams_layers() {
-        1
-    } else {
-        state.lanes
-    };
-    let size = state
-        .batch_size
-        .min(conversations.len().div_ceil(lanes))
-        .max(1);
+    let lanes = state.executor.lanes();
+    let size = state.batch_size.min(order.len().div_ceil(lanes)).max(1);
     let chunks: Vec<&[usize]> = order.chunks(size).collect();
+    let works: Vec<ChunkWork> = chunks
+        .iter()
+        .map(|chunk| {
+            let rows: Vec<Vec<u32>> = chunk.iter().map(|&i| suffixes[i].clone()).collect();
+            let work: ChunkWork = Box::new(move |view: View<'_>, pick: lanes::Pick<'_>| {
+                let _span = tracing::info_span!("chunk", rows = rows.len()).entered();
+                let rows: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+                generate_chunk(view, pick, &rows, max_tokens)
+            });
+            work
+        })
+        .collect();
     let mut done = Finished {
         chunks: &chunks,
         suffixes: &suffixes,
@@ -235,44 +275,38 @@ pub(crate) fn generate_batch(
         processor: state.processor.as_deref_mut(),
         failure: None,
     };
-    let lanes = lanes.min(chunks.len());
-    if lanes > 1 {
-        let shared = lanes::Shared {
-            model,
-            prefix_cache: &state.prefix_cache,
-            eos: &state.eos,
-        };
-        let pick_in_lanes = done.processor.is_none();
-        lanes::run(lanes, &chunks, &shared, &mut done, |s, chunk, remote| {
-            let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
-            let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
-            // Without a processor, each lane picks its tokens itself.
-            let mut local = |logits: &Array| pick_tokens(None, logits);
-            let pick: &mut dyn FnMut(&Array) -> crate::Result<Vec<i32>> =
-                if pick_in_lanes { &mut local } else { remote };
-            generate_chunk(s.model, s.prefix_cache, s.eos, pick, &rows, max_tokens)
-        });
-    } else {
-        for (index, chunk) in chunks.iter().enumerate() {
-            let _span = tracing::info_span!("chunk", rows = chunk.len()).entered();
-            let rows: Vec<&[u32]> = chunk.iter().map(|&i| suffixes[i].as_slice()).collect();
-            let generated = generate_chunk(
-                model,
-                &state.prefix_cache,
-                &state.eos,
-                &mut |logits| done.pick(logits),
-                &rows,
-                max_tokens,
-            );
-            if !done.finish(index, generated) {
-                break;
-            }
+    // Without a processor, each lane picks its tokens itself.
+    let lane_pick: Option<lanes::LanePick> = match done.processor {
+        None => Some(|logits| pick_tokens(None, logits)),
+        Some(_) => None,
+    };
+    let here = View {
+        model,
+        prefix_cache: &state.prefix_cache,
+        eos: &state.eos,
+    };
+    state.executor.run(
+        here,
+        (model, &state.prefix_cache),
+        works,
+        lane_pick,
+        &mut done,
+    );
+    let (mut texts, mut stats) = (done.texts, done.stats);
+    if let Some(group) = data_parallel {
+        let counts = (stats.prompt_tokens, stats.generated_tokens);
+        let failed = done.failure.is_some();
+        let gathered = distributed::data::gather_texts(group, texts, counts, failed);
+        if let Some(e) = done.failure {
+            return Err(e);
         }
-    }
-    if let Some(e) = done.failure {
+        let (all, (prompt, generated)) = gathered.map_err(gen_err)?;
+        texts = all;
+        stats.prompt_tokens = prompt;
+        stats.generated_tokens = generated;
+    } else if let Some(e) = done.failure {
         return Err(e);
     }
-    let (texts, mut stats) = (done.texts, done.stats);
     stats.seconds = start.elapsed().as_secs_f64();
     Ok(Generation { texts, stats })
 }
@@ -328,7 +362,7 @@ impl lanes::Coordinator for Finished<'_, '_> {
 /// Each row's next token: the logits through `processor` (if any), then
 /// the greedy choice. NaN logits (from NaN or infinite weights) have no
 /// maximum, so argmax would pick an arbitrary token: they are an error.
-fn pick_tokens(
+pub(crate) fn pick_tokens(
     processor: Option<&mut (dyn LogitsProcessor + '_)>,
     logits: &Array,
 ) -> crate::Result<Vec<i32>> {
@@ -393,13 +427,16 @@ fn prefill_groups(lengths: &[usize], pass_cost: usize) -> Vec<std::ops::Range<us
 /// rotary positions) in groups of similar length, then decodes the whole
 /// chunk greedily as one batch.
 fn generate_chunk(
-    model: &Model,
-    prefix_cache: &KvCache,
-    eos: &[u32],
-    pick: &mut dyn FnMut(&Array) -> crate::Result<Vec<i32>>,
+    view: View<'_>,
+    pick: lanes::Pick<'_>,
     rows: &[&[u32]],
     max_tokens: usize,
 ) -> crate::Result<Vec<Vec<u32>>> {
+    let View {
+        model,
+        prefix_cache,
+        eos,
+    } = view;
     let b = rows.len();
     let lengths: Vec<usize> = rows.iter().map(|r| r.len()).collect();
     let mut parts = Vec::new();

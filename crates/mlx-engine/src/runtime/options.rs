@@ -6,8 +6,11 @@ use std::path::PathBuf;
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
+use crate::distributed::Placement;
 use crate::models::{MemoryMode, QuantizedWeights};
+use crate::runtime::lanes::BlasThreads;
 use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
+use crate::weights::kernels::Kernels;
 
 /// Changes the logits `(batch, vocab)` of each decoding step, e.g. to allow
 /// only a set of label tokens.
@@ -66,13 +69,18 @@ pub struct EngineConfig {
     pub(crate) prefix_messages: Vec<Message>,
     pub(crate) batch_size: usize,
     pub(crate) lanes: Option<usize>,
+    pub(crate) blas_threads: BlasThreads,
     pub(crate) worker_name: String,
     pub(crate) quantized: Option<QuantizedWeights>,
+    pub(crate) kernels: Option<Kernels>,
     pub(crate) memory: Option<MemoryMode>,
     pub(crate) lora: Vec<block_stream::BlockLoraSource>,
+    pub(crate) adapters: Vec<PathBuf>,
     pub(crate) max_prompt_tokens: Option<usize>,
     pub(crate) special_tokens: SpecialTokens,
     pub(crate) prefix_cache: PrefixCache,
+    pub(crate) placement: Placement,
+    pub(crate) peer_timeout: std::time::Duration,
 }
 
 impl EngineConfig {
@@ -88,13 +96,18 @@ impl EngineConfig {
             prefix_messages: Vec::new(),
             batch_size: 8,
             lanes: None,
+            blas_threads: BlasThreads::Unchanged,
             worker_name: "mlx-engine".to_owned(),
             quantized: None,
+            kernels: None,
             memory: None,
             lora: Vec::new(),
+            adapters: Vec::new(),
             max_prompt_tokens: None,
             special_tokens: SpecialTokens::AsText,
             prefix_cache: PrefixCache::Clean,
+            placement: Placement::Local,
+            peer_timeout: DEFAULT_PEER_TIMEOUT,
         }
     }
 
@@ -127,13 +140,23 @@ impl EngineConfig {
     /// the CPU, MLX runs a stream's element-wise work on
     /// one core; two chunks at once keep both cores busy, at the cost of a
     /// second chunk's activations in memory. With OpenBLAS, give each lane
-    /// its share of the cores at the start of `main` with
-    /// [`share_blas_threads`](crate::share_blas_threads) (docs/benchmarks.md,
+    /// its share of the cores with
+    /// [`blas_threads`](Self::blas_threads) (docs/benchmarks.md,
     /// "Lanes", has the figures). Layers streamed from the files
     /// ([`MemoryMode::Streamed`]) always run one chunk at a time. Results do
     /// not depend on it.
     pub fn lanes(mut self, lanes: usize) -> EngineConfig {
         self.lanes = Some(lanes.max(1));
+        self
+    }
+
+    /// Whether the engine sets OpenBLAS's (process-wide) thread count for
+    /// its lanes before they start (default [`BlasThreads::Unchanged`]).
+    /// [`BlasThreads::SharedByLanes`] is what a program that runs one
+    /// engine wants; leave it unchanged where other MLX work runs in the
+    /// process while the engine starts.
+    pub fn blas_threads(mut self, blas_threads: BlasThreads) -> EngineConfig {
+        self.blas_threads = blas_threads;
         self
     }
 
@@ -159,6 +182,14 @@ impl EngineConfig {
         self
     }
 
+    /// Which kernels multiply dense weights (default:
+    /// [`Kernels::from_env`], the fastest this machine has unless
+    /// `MLX_LOWMEM_KERNELS=portable`).
+    pub fn kernels(mut self, kernels: Kernels) -> EngineConfig {
+        self.kernels = Some(kernels);
+        self
+    }
+
     /// Where the weights live (default: [`MemoryMode::for_model_dir`]: the
     /// size of the model folder's weight files and of its embedding
     /// tables, and [`mlx_support::memory_limit`]).
@@ -181,6 +212,20 @@ impl EngineConfig {
         self
     }
 
+    /// An mlx_lm adapter folder (`adapter_config.json` and
+    /// `adapters.safetensors`) applied on the fly: its scale and strictly
+    /// paired `lora_a` / `lora_b` are read with block-stream's
+    /// `MlxLmAdapter`, and the layers' key prefix comes from the model
+    /// (`model.layers.` for llama, where Gemma's checkpoint keeps them), so
+    /// nothing is copied by hand. As [`lora`](Self::lora): needs
+    /// [`MemoryMode::Streamed`], which the default then is; an adapter
+    /// module outside the model's layers, or an unpaired half, is an error
+    /// at load.
+    pub fn adapter(mut self, dir: impl Into<PathBuf>) -> EngineConfig {
+        self.adapters.push(dir.into());
+        self
+    }
+
     /// The longest prompt (prefix and conversation, in tokens) a
     /// conversation may have; longer ones are
     /// [`EngineError::PromptTooLong`](crate::EngineError::PromptTooLong). Default: the model's
@@ -196,7 +241,33 @@ impl EngineConfig {
         self.special_tokens = policy;
         self
     }
+
+    /// Runs as one rank of `placement` (default [`Placement::Local`]).
+    /// Every rank starts an engine with the same model folder and
+    /// placement, and calls `generate` with the same conversations; see
+    /// [`Placement`] and docs/distributed.md. One chunk runs at a time
+    /// (no [`lanes`](Self::lanes)): the ranks exchange in one order.
+    pub fn placement(mut self, placement: Placement) -> EngineConfig {
+        self.placement = placement;
+        self
+    }
+
+    /// With a distributed [`placement`](Self::placement), how long a call
+    /// waits for the worker before it returns
+    /// [`EngineError::PeerTimeout`](crate::EngineError::PeerTimeout)
+    /// (default [`DEFAULT_PEER_TIMEOUT`]): a peer rank that stopped
+    /// without exiting (its sockets open) leaves MLX waiting without a
+    /// deadline. After a timeout the engine is closed and the process
+    /// should exit, which ends the job's other ranks' waits too.
+    pub fn peer_timeout(mut self, timeout: std::time::Duration) -> EngineConfig {
+        self.peer_timeout = timeout;
+        self
+    }
 }
+
+/// How long a distributed engine's calls wait for their ranks by default:
+/// far longer than any step, short enough that a stuck job ends.
+pub const DEFAULT_PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// The prompt limit of a model whose config names no context length.
 pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 8192;
@@ -208,12 +279,15 @@ impl std::fmt::Debug for EngineConfig {
             .field("prefix_messages", &self.prefix_messages)
             .field("batch_size", &self.batch_size)
             .field("lanes", &self.lanes)
+            .field("blas_threads", &self.blas_threads)
             .field("worker_name", &self.worker_name)
             .field("quantized", &self.quantized)
+            .field("kernels", &self.kernels)
             .field("memory", &self.memory)
             .field("max_prompt_tokens", &self.max_prompt_tokens)
             .field("special_tokens", &self.special_tokens)
             .field("prefix_cache", &self.prefix_cache)
+            .field("placement", &self.placement)
             .finish_non_exhaustive()
     }
 }

@@ -42,13 +42,11 @@ pub(crate) fn supported() -> bool {
     }
 }
 
-/// Whether a weight `(outputs, inputs)` of `dtype` is held in panels here.
+/// Whether the kernel can hold a weight `(outputs, inputs)` of `dtype`
+/// on this CPU (the device and the choice of kernels are the load's:
+/// `kernels::Products`).
 pub(crate) fn holds_in_panels(outputs: usize, dtype: mlx_rs::Dtype) -> bool {
-    dtype == mlx_rs::Dtype::Float32
-        && outputs > 0
-        && outputs.is_multiple_of(PANEL)
-        && supported()
-        && mlx_support::current_device() == mlx_support::ComputeDevice::Cpu
+    dtype == mlx_rs::Dtype::Float32 && outputs > 0 && outputs.is_multiple_of(PANEL) && supported()
 }
 
 /// `w` `(out, in)` in panels `(out / PANEL, in, PANEL)`, lazily.

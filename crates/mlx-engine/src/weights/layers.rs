@@ -10,7 +10,7 @@
 //! [`MemoryMode::Streamed`]: crate::MemoryMode::Streamed
 
 use std::collections::HashMap;
-use std::ops::Deref;
+use std::ops::{Deref, Range};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -22,14 +22,22 @@ use st_mmap::{BlockPrefix, SafetensorsSet};
 
 use crate::error::{Error, Result};
 use crate::nn::cache::KvCache;
+use crate::weights::kernels::Products;
 use crate::weights::memory_mode::MemoryMode;
-use crate::weights::{QuantizedWeights, Weights};
+use crate::weights::{KeyPath, QuantizedWeights, StreamedBlock, Weights};
 
 /// Builds layer `i` from the weights.
 type LoadLayer<L> = Box<dyn Fn(&Weights<'_>, usize) -> Result<L> + Send + Sync>;
 
 /// A decoder's layers.
-pub(crate) enum Layers<L> {
+pub(crate) struct Layers<L> {
+    /// The layers held (all of them, or one pipeline stage's): their
+    /// indices in the model, which name their weights and cache slots.
+    range: Range<usize>,
+    held: Held<L>,
+}
+
+enum Held<L> {
     Resident(Vec<L>),
     Streamed(Box<Stream<L>>),
 }
@@ -42,8 +50,8 @@ pub(crate) struct Stream<L> {
     set: Arc<SafetensorsSet>,
     quant: QuantizationConfig,
     mode: QuantizedWeights,
+    products: Products,
     lora: Arc<Vec<BlockLoraSource>>,
-    count: usize,
     load: LoadLayer<L>,
 }
 
@@ -73,51 +81,50 @@ impl<L> Deref for LayerRef<'_, L> {
 }
 
 impl<L> Layers<L> {
-    /// `count` layers under `prefix` (`model.layers.`): built now, or, when
+    /// Layers `range` under `layers` (`model.layers`): built now, or, when
     /// `w` streams them, checked now (each built once from unread loads,
     /// so that a checkpoint that does not fit its config fails here and not
     /// in the first forward) and built again at each use.
     pub(crate) fn load(
         w: &Weights<'_>,
-        prefix: &str,
-        count: usize,
+        layers: &KeyPath,
+        range: Range<usize>,
         load: impl Fn(&Weights<'_>, usize) -> Result<L> + Send + Sync + 'static,
     ) -> Result<Layers<L>> {
         if w.memory != MemoryMode::Streamed {
-            return Ok(Layers::Resident(
-                (0..count).map(|i| load(w, i)).collect::<Result<_>>()?,
-            ));
+            let held = range.clone().map(|i| load(w, i)).collect::<Result<_>>()?;
+            return Ok(Layers {
+                range,
+                held: Held::Resident(held),
+            });
         }
-        let streamer = BlockStreamer::new(w.set.files().iter().map(|f| f.path()), prefix)
+        let prefix = layers.children();
+        let streamer = BlockStreamer::from_set(w.set.clone(), prefix.as_str())
             .map_err(|e| stream_error(w.dir, e))?
-            .with_fuser(CheckpointLoraFuser::new(prefix, w.quant.clone()));
+            .with_fuser(CheckpointLoraFuser::new(prefix.as_str(), w.quant.clone()));
         let stream = Stream {
             streamer: Mutex::new(streamer),
-            prefix: BlockPrefix::new(prefix),
+            prefix,
             dir: w.dir.to_path_buf(),
             set: w.set.clone(),
             quant: w.quant.clone(),
             mode: w.mode,
+            products: w.products,
             lora: w.lora.clone(),
-            count,
             load: Box::new(load),
         };
-        for i in 0..count {
+        for i in range.clone() {
             drop(stream.layer(i)?);
         }
-        Ok(Layers::Streamed(Box::new(stream)))
+        Ok(Layers {
+            range,
+            held: Held::Streamed(Box::new(stream)),
+        })
     }
 
     /// Whether the layers are read from the files at each forward.
     pub(crate) fn streamed(&self) -> bool {
-        matches!(self, Layers::Streamed(_))
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            Layers::Resident(layers) => layers.len(),
-            Layers::Streamed(stream) => stream.count,
-        }
+        matches!(self.held, Held::Streamed(_))
     }
 
     /// The hidden states of independent forwards of `tokens` over
@@ -141,7 +148,7 @@ impl<L> Layers<L> {
             .zip(caches.iter_mut())
             .map(|(tokens, cache)| begin(tokens, cache))
             .collect::<Result<Vec<_>>>()?;
-        for i in 0..self.len() {
+        for i in self.range.clone() {
             let layer = self.get(i)?;
             for pass in passes.iter_mut() {
                 let outputs = step(i, &layer, pass)?;
@@ -153,11 +160,12 @@ impl<L> Layers<L> {
         passes.into_iter().map(Forward::finish).collect()
     }
 
-    /// Layer `i`, for one forward.
+    /// Layer `i` (an index in the model, within the range held), for one
+    /// forward.
     fn get(&self, i: usize) -> Result<LayerRef<'_, L>> {
-        match self {
-            Layers::Resident(layers) => Ok(LayerRef::Borrowed(&layers[i])),
-            Layers::Streamed(stream) => Ok(LayerRef::Owned(stream.layer(i)?)),
+        match &self.held {
+            Held::Resident(layers) => Ok(LayerRef::Borrowed(&layers[i - self.range.start])),
+            Held::Streamed(stream) => Ok(LayerRef::Owned(stream.layer(i)?)),
         }
     }
 }
@@ -175,17 +183,19 @@ impl<L> Stream<L> {
             .unwrap_or_else(PoisonError::into_inner)
             .block_weights(i, &sources)
             .map_err(|e| stream_error(&self.dir, e))?;
-        let block: HashMap<String, Array> = weights
-            .into_iter()
-            .map(|(param, array)| (self.prefix.key(i, &param), array))
-            .collect();
+        let params: HashMap<String, Array> = weights.into_iter().collect();
         let w = Weights {
             dir: &self.dir,
             set: &self.set,
             quant: &self.quant,
             mode: self.mode,
+            products: self.products,
             memory: MemoryMode::Streamed,
-            streamed: Some(&block),
+            streamed: Some(StreamedBlock {
+                prefix: &self.prefix,
+                index: i,
+                params: &params,
+            }),
             lora: &self.lora,
         };
         (self.load)(&w, i)

@@ -23,9 +23,10 @@ use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
+use crate::weights::quantized::QuantizedWeights;
+use crate::weights::rows::GatheredRows;
 use crate::weights::slices::{head_slice_rows, in_row_slices};
 use crate::weights::unpack::dequantize_f32;
-use crate::weights::{GatheredRows, QuantizedWeights};
 
 /// One table in the files: its weight and, when packed, its scales and
 /// biases, all `vocab` rows long.

@@ -17,6 +17,9 @@ pub enum MemoryMode {
     /// table's pages count in the process's resident memory. The other
     /// weights are resident. Results are the same, bit for bit; Gemma 4
     /// E2B's per-layer table alone is over a third of its checkpoint.
+    /// A mixture-of-experts model's stacked experts stay in the files too:
+    /// each forward reads the experts its rows were routed to, each once
+    /// for all the rows that chose it (`expert_bytes_read` counts them).
     MappedTables,
     /// Tables mapped as in [`MappedTables`](Self::MappedTables), and each
     /// decoder layer's weights read from the files only while that layer

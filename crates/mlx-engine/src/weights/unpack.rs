@@ -29,6 +29,8 @@
 
 use std::cell::RefCell;
 
+use std::ops::Range;
+
 use mlx_rs::error::Exception;
 use mlx_rs::ops::dequantize;
 use mlx_rs::{Array, Dtype};
@@ -108,6 +110,20 @@ fn spread_2(bytes: &Array) -> Result<Array, Exception> {
         out = out.add(element.multiply(u32s(1 << (8 * j)))?)?;
     }
     Ok(out)
+}
+
+/// The packed words and the groups that hold `columns` of a packed row, and
+/// the first column they hold: whole quantization groups, from the one
+/// that holds `columns.start` to the one that holds its last column.
+pub(crate) fn packed_span(
+    q: Quantization,
+    columns: Range<usize>,
+) -> (Range<i32>, Range<i32>, usize) {
+    let (gs, bits) = (q.group_size as usize, q.bits as usize);
+    let groups = columns.start / gs..columns.end.div_ceil(gs);
+    let first = groups.start * gs;
+    let words = (first * bits / 32) as i32..(groups.end * gs * bits / 32) as i32;
+    (words, groups.start as i32..groups.end as i32, first)
 }
 
 #[cfg(test)]

@@ -63,8 +63,7 @@ pub fn padded_forward(model: &Model, shared: &KvCache, suffixes: &[Vec<u32>]) ->
         .flat_map(|s| std::iter::repeat_n(0, width - s.len()).chain(s.iter().map(|&t| t as i32)))
         .collect();
     let rows = suffixes.len() as i32;
-    let mut cache = shared.fork(rows).unwrap();
-    cache.set_pads(pads.clone()).unwrap();
+    let mut cache = shared.fork_padded(pads.clone()).unwrap();
     let logits = model
         .forward(
             &Array::from_slice(&block, &[rows, width as i32]),
@@ -122,4 +121,52 @@ pub fn largest_difference(ours: &[Vec<f32>], theirs: &serde_json::Value) -> f32 
             a.iter().zip(b).map(|(x, y)| (x - y).abs())
         })
         .fold(0.0, f32::max)
+}
+
+/// `model`'s logits against `mlx_lm_positions.py`'s `reference` at every
+/// position of each row — prefix and suffix in one forward, the suffix
+/// after the prefix's cache, and the suffixes as one left-padded batch
+/// after it — each within `tolerance`; `what` names the case in failures.
+pub fn assert_every_position(
+    model: &Model,
+    reference: &serde_json::Value,
+    prefix: &[u32],
+    suffixes: &[Vec<u32>],
+    tolerance: f32,
+    what: &str,
+) {
+    let ids = |t: &[u32]| -> Vec<i32> { t.iter().map(|&x| x as i32).collect() };
+    let forward = |tokens: &[i32], cache: &mut KvCache| {
+        model
+            .forward(&Array::from_slice(tokens, &[1, tokens.len() as i32]), cache)
+            .unwrap()
+    };
+    let mut shared = KvCache::new();
+    forward(&ids(prefix), &mut shared);
+    for (row, suffix) in suffixes.iter().enumerate() {
+        let whole = ids(&[prefix, suffix.as_slice()].concat());
+        let logits = forward(&whole, &mut KvCache::new());
+        let d = largest_difference(&positions(&logits, 0, 0), &reference["whole"][row]);
+        assert!(
+            d <= tolerance,
+            "{what}: row {row}, prefix and suffix in one forward, differs by {d}"
+        );
+        let logits = forward(&ids(suffix), &mut shared.fork(1).unwrap());
+        let d = largest_difference(&positions(&logits, 0, 0), &reference["after_prefix"][row]);
+        assert!(
+            d <= tolerance,
+            "{what}: row {row} after the prefix differs by {d}"
+        );
+    }
+    let (logits, pads) = padded_forward(model, &shared, suffixes);
+    for (row, pad) in pads.iter().enumerate() {
+        let d = largest_difference(
+            &positions(&logits, row as i32, *pad),
+            &reference["after_prefix"][row],
+        );
+        assert!(
+            d <= tolerance,
+            "{what}: row {row} of the padded batch differs by {d}"
+        );
+    }
 }

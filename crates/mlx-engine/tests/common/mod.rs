@@ -6,6 +6,7 @@
 pub mod gemma_words;
 pub mod logits;
 pub mod tiny_gemma;
+pub mod tiny_moe;
 
 use std::path::Path;
 
@@ -17,10 +18,8 @@ use mlx_rs::Array;
 
 pub const VOCAB: i32 = 48;
 
-pub fn normal(shape: &[i32], seed: u64, std: f32) -> Array {
-    let key = mlx_rs::random::key(seed).unwrap();
-    mlx_rs::random::normal::<f32>(shape, None, std, &key).unwrap()
-}
+use test_support::tiny_llama::TinyLlama;
+pub use test_support::tiny_llama::{attention_weights, normal};
 
 /// A tiny llama with a word-level tokenizer (`w0`…`w39` and chat markers)
 /// and a chat template.
@@ -33,57 +32,12 @@ pub fn write_model(dir: &Path) {
 /// not know (as control tokens are in real tokenizers): read as text, they
 /// become `<unk>`.
 pub fn write_model_with(dir: &Path, special_markers: bool) {
-    let (hidden, heads, kv, inter) = (64, 4, 2, 128);
-    let config = serde_json::json!({
-        "model_type": "llama", "hidden_size": hidden, "num_hidden_layers": 2, "intermediate_size": inter,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
-        "rope_theta": 10000.0, "tie_word_embeddings": true, "eos_token_id": 44
-    });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let mut seed = 7;
-    let mut w = |shape: &[i32], std: f32| {
-        seed += 1;
-        normal(shape, seed, std)
-    };
-    let hd = hidden / heads;
-    let mut weights = vec![
-        (
-            "model.embed_tokens.weight".to_owned(),
-            w(&[VOCAB, hidden], 1.0),
-        ),
-        (
-            "model.norm.weight".into(),
-            Array::ones::<f32>(&[hidden]).unwrap(),
-        ),
-    ];
-    for i in 0..2 {
-        let p = format!("model.layers.{i}.");
-        for (name, out, inp) in [
-            ("self_attn.q_proj", heads * hd, hidden),
-            ("self_attn.k_proj", kv * hd, hidden),
-            ("self_attn.v_proj", kv * hd, hidden),
-            ("self_attn.o_proj", hidden, heads * hd),
-            ("mlp.gate_proj", inter, hidden),
-            ("mlp.up_proj", inter, hidden),
-            ("mlp.down_proj", hidden, inter),
-        ] {
-            weights.push((format!("{p}{name}.weight"), w(&[out, inp], 0.2)));
-        }
-        weights.push((
-            format!("{p}input_layernorm.weight"),
-            Array::ones::<f32>(&[hidden]).unwrap(),
-        ));
-        weights.push((
-            format!("{p}post_attention_layernorm.weight"),
-            Array::ones::<f32>(&[hidden]).unwrap(),
-        ));
+    TinyLlama {
+        vocab: VOCAB,
+        config: serde_json::json!({"eos_token_id": 44}),
+        ..TinyLlama::new("llama")
     }
-    Array::save_safetensors(
-        weights.iter().map(|(k, v)| (k.as_str(), v)),
-        None,
-        dir.join("model.safetensors"),
-    )
-    .unwrap();
+    .write(dir);
     write_tokenizer(dir, special_markers);
 }
 
@@ -154,7 +108,10 @@ pub fn engine(dir: &Path, batch_size: usize) -> MlxEngine {
 
 /// Greedy decoding of one conversation over its full prompt, no cache tricks.
 pub fn reference(dir: &Path, conversation: &[Message], max_tokens: usize) -> String {
-    let model = Model::load(dir, QuantizedWeights::Keep).unwrap();
+    let model = Model::loader(dir)
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
     let tokenizer = Tokenizer::load(dir).unwrap();
     let mut ids: Vec<i32> = tokenizer
         .chat_tokens(conversation, true, SpecialTokens::AsText)

@@ -1,0 +1,59 @@
+//! Experts left in the files are read only when routed: a forward of one
+//! token reads exactly the experts it chose (top 2 of 8 in each of the two
+//! sparse layers), each once, and a batch reads each chosen expert once for
+//! all the rows that chose it. Its own test binary: the counter is the
+//! process's.
+
+mod common;
+
+use common::tiny_moe::{write_qwen3_moe, EXPERTS};
+use mlx_engine::{expert_bytes_read, KvCache, MemoryMode, Model, QuantizedWeights};
+use mlx_rs::Array;
+
+/// One expert's gate, up and down matrices: 3 × 32 × 64 f32.
+const EXPERT_BYTES: u64 = 3 * 32 * 64 * 4;
+
+#[test]
+fn only_the_routed_experts_are_read_once_per_forward() {
+    let dir = tempfile::tempdir().unwrap();
+    write_qwen3_moe(dir.path());
+    let mapped = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .memory(MemoryMode::MappedTables)
+        .load()
+        .unwrap();
+    let resident = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
+    assert_eq!(expert_bytes_read(), 0, "nothing is read at load");
+
+    let one = Array::from_slice(&[5i32], &[1, 1]);
+    let logits = mapped.forward(&one, &mut KvCache::new()).unwrap();
+    logits.eval().unwrap();
+    // 2 sparse layers × top 2.
+    assert_eq!(expert_bytes_read(), 2 * 2 * EXPERT_BYTES);
+    let same = resident.forward(&one, &mut KvCache::new()).unwrap();
+    assert_eq!(
+        logits.as_slice::<f32>(),
+        same.as_slice::<f32>(),
+        "bit for bit"
+    );
+
+    // 24 tokens choose 48 (token, expert) pairs per layer among 8 experts:
+    // each distinct expert is read once per layer, never more.
+    let tokens: Vec<i32> = (0..24).map(|i| (i * 5 + 1) % 40).collect();
+    let batch = Array::from_slice(&tokens, &[2, 12]);
+    let before = expert_bytes_read();
+    let logits = mapped.forward(&batch, &mut KvCache::new()).unwrap();
+    logits.eval().unwrap();
+    let read = expert_bytes_read() - before;
+    assert!(read <= 2 * EXPERTS as u64 * EXPERT_BYTES, "{read}");
+    assert_eq!(read % EXPERT_BYTES, 0);
+    let same = resident.forward(&batch, &mut KvCache::new()).unwrap();
+    assert_eq!(
+        logits.as_slice::<f32>(),
+        same.as_slice::<f32>(),
+        "bit for bit"
+    );
+}
