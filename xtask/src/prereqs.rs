@@ -170,6 +170,12 @@ const INTEROP_PACKAGES: &[&str] = &[
 /// `<venv>/mlx-lm-0.32.2` first on `sys.path`.
 const NEWER_MLX_LM: (&str, &str) = ("mlx-lm==0.32.2", "mlx-lm-0.32.2");
 
+/// MLX 0.32.4, which mlx_lm 0.32.2's quantized experts need (they pass
+/// `gather_qmm` an argument 0.32.2 lacks): the reference of the engine's
+/// quantized mixture-of-experts tests, kept in `<venv>/mlx-0.32.4`, which
+/// those tests' scripts put first on `sys.path` when asked.
+const NEWER_MLX: (&[&str], &str) = (&["mlx==0.32.4", "mlx-cpu==0.32.4"], "mlx-0.32.4");
+
 /// Makes a virtual environment under `target/` with the interop packages and
 /// returns its python, so that interop tests run rather than skip. Python
 /// is only a reference here: when it cannot be set up, the tests say that
@@ -182,9 +188,10 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
     // rounding depends on it), so the venv's MLX gets what our build uses.
     let blas = interop_blas();
     let wanted = format!(
-        "{}\n{}\nblas={blas}",
+        "{}\n{}\n{}\nblas={blas}",
         INTEROP_PACKAGES.join("\n"),
-        NEWER_MLX_LM.0
+        NEWER_MLX_LM.0,
+        NEWER_MLX.0.join("\n")
     );
     if std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) && python.exists() {
         return absolute(&python);
@@ -210,6 +217,13 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
             .arg(venv.join(NEWER_MLX_LM.1))
             .arg(NEWER_MLX_LM.0)
             .status()
+            .is_ok_and(|s| s.success())
+        && Command::new(&python)
+            .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+            .args(["--no-deps", "--target"])
+            .arg(venv.join(NEWER_MLX.1))
+            .args(NEWER_MLX.0)
+            .status()
             .is_ok_and(|s| s.success());
     if !ok {
         eprintln!("xtask: warning: could not set up the Python interop environment; interop tests will skip");
@@ -232,14 +246,18 @@ fn interop_blas() -> &'static str {
     }
 }
 
-/// Points the venv's bundled BLAS/LAPACK at Debian's OpenBLAS, as the
-/// mlx-sys build script does for our own MLX.
+/// Points the venv's bundled BLAS/LAPACK (its MLX's and the newer MLX's
+/// beside it) at Debian's OpenBLAS, as the mlx-sys build script does for
+/// our own MLX.
 fn swap_venv_blas(venv: &Path) {
-    let Ok(libs) = std::fs::read_dir(venv.join("lib")) else {
-        return;
-    };
-    for python in libs.flatten() {
-        let dir = python.path().join("site-packages/mlx_cpu.libs");
+    let mut dirs = vec![venv.join(NEWER_MLX.1).join("mlx_cpu.libs")];
+    if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
+        dirs.extend(
+            libs.flatten()
+                .map(|python| python.path().join("site-packages/mlx_cpu.libs")),
+        );
+    }
+    for dir in dirs {
         let Ok(entries) = std::fs::read_dir(&dir) else {
             continue;
         };

@@ -2,14 +2,20 @@
 //! (8 experts, top 2 with renormalised weights, one dense layer among the
 //! sparse ones), logits at every position of each prompt — whole, after a
 //! shared prefix, and in a left-padded batch after it — within 1e-4 of
-//! mlx_lm's, and the engine's greedy answers equal to mlx_lm's.
+//! mlx_lm's, and the engine's greedy answers equal to mlx_lm's. The same
+//! model quantized (4 bits with 8-bit modules among them, routers dense)
+//! within 1e-3 of mlx_lm 0.32.2 on MLX 0.32.4 (the MLX its quantized
+//! experts need), multiplied packed or unpacked to f32.
 
 mod common;
 
+use std::path::Path;
+
 use common::logits::{
-    assert_every_position, largest_difference, positions, run_parity_script, write_request,
+    assert_every_position, largest_difference, newer_mlx, positions, run_parity_script,
+    run_parity_script_newer_mlx, write_request,
 };
-use common::tiny_moe::write_qwen3_moe;
+use common::tiny_moe::{write_qwen3_moe, write_qwen3_moe_quantized};
 use mlx_engine::{
     EngineConfig, GenerateOptions, KvCache, MemoryMode, Message, MlxEngine, Model,
     QuantizedWeights, SpecialTokens, Tokenizer,
@@ -22,6 +28,38 @@ use test_support::python::mlx_lm_python;
 /// `gather_mm` on both).
 const TOLERANCE: f32 = 1e-4;
 
+/// 4-bit experts: MLX's packed product against ours unpacked to f32, or
+/// MLX 0.32.2's packed product against 0.32.4's.
+const QUANTIZED_TOLERANCE: f32 = 1e-3;
+
+/// The reference for `test`: mlx_lm 0.32.2, on MLX 0.32.4 for quantized
+/// experts; `None` (said) where Python or that MLX is missing.
+struct Reference {
+    python: String,
+    newer_mlx: bool,
+}
+
+impl Reference {
+    fn find(test: &str, quantized: bool) -> Option<Reference> {
+        let python = mlx_lm_python(test)?;
+        if quantized {
+            newer_mlx(&python, test)?;
+        }
+        Some(Reference {
+            python,
+            newer_mlx: quantized,
+        })
+    }
+
+    fn run(&self, script: &str, dir: &Path, request: &Path) -> serde_json::Value {
+        if self.newer_mlx {
+            run_parity_script_newer_mlx(&self.python, script, dir, request)
+        } else {
+            run_parity_script(&self.python, script, dir, request)
+        }
+    }
+}
+
 fn ids(tokens: &[u32]) -> Vec<i32> {
     tokens.iter().map(|&t| t as i32).collect()
 }
@@ -29,12 +67,42 @@ fn ids(tokens: &[u32]) -> Vec<i32> {
 #[test]
 fn qwen3_moe_matches_mlx_lm_at_every_position() {
     let test = "qwen3_moe_matches_mlx_lm_at_every_position";
-    let Some(python) = mlx_lm_python(test) else {
+    let Some(reference) = Reference::find(test, false) else {
         return;
     };
+    positions_match(
+        &reference,
+        write_qwen3_moe,
+        &[QuantizedWeights::Keep],
+        TOLERANCE,
+    );
+}
+
+#[test]
+fn quantized_qwen3_moe_matches_mlx_lm_at_every_position() {
+    let test = "quantized_qwen3_moe_matches_mlx_lm_at_every_position";
+    let Some(reference) = Reference::find(test, true) else {
+        return;
+    };
+    positions_match(
+        &reference,
+        write_qwen3_moe_quantized,
+        &[QuantizedWeights::Keep, QuantizedWeights::DequantizeOnUse],
+        QUANTIZED_TOLERANCE,
+    );
+}
+
+/// The model `write` makes, loaded with each of `handlings`, gives
+/// mlx_lm's logits within `tolerance` at every position.
+fn positions_match(
+    reference: &Reference,
+    write: fn(&Path),
+    handlings: &[QuantizedWeights],
+    tolerance: f32,
+) {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    write_qwen3_moe(dir);
+    write(dir);
     // A prefix of 40 tokens and rows of 1 to 30: more than 64 (row, expert)
     // choices in a forward, so mlx_lm sorts them by expert, and fewer.
     let prefix: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 40).collect();
@@ -43,26 +111,25 @@ fn qwen3_moe_matches_mlx_lm_at_every_position() {
         .map(|&n| (0..n).map(|i| ((i * 13 + n) % 40) as u32).collect())
         .collect();
     let request = write_request(dir, &json!({"prefix": prefix, "suffixes": suffixes}));
-    let reference = run_parity_script(&python, "mlx_lm_positions.py", dir, &request);
-    let model = Model::loader(dir)
-        .quantized(QuantizedWeights::Keep)
-        .load()
-        .unwrap();
-    let p = prefix.len() as i32;
-    let mut shared = KvCache::new();
-    let logits = model
-        .forward(&Array::from_slice(&ids(&prefix), &[1, p]), &mut shared)
-        .unwrap();
-    let d = largest_difference(&positions(&logits, 0, 0), &reference["prefix"]);
-    assert!(d <= TOLERANCE, "the prefix differs by {d}");
-    assert_every_position(
-        &model,
-        &reference,
-        &prefix,
-        &suffixes,
-        TOLERANCE,
-        "qwen3_moe",
-    );
+    let expected = reference.run("mlx_lm_positions.py", dir, &request);
+    for &handling in handlings {
+        let model = Model::loader(dir).quantized(handling).load().unwrap();
+        let p = prefix.len() as i32;
+        let mut shared = KvCache::new();
+        let logits = model
+            .forward(&Array::from_slice(&ids(&prefix), &[1, p]), &mut shared)
+            .unwrap();
+        let d = largest_difference(&positions(&logits, 0, 0), &expected["prefix"]);
+        assert!(d <= tolerance, "{handling:?}: the prefix differs by {d}");
+        assert_every_position(
+            &model,
+            &expected,
+            &prefix,
+            &suffixes,
+            tolerance,
+            &format!("qwen3_moe, {handling:?}"),
+        );
+    }
 }
 
 /// The engine (shared prefix, batches of padded rows, greedy decoding)
@@ -71,12 +138,27 @@ fn qwen3_moe_matches_mlx_lm_at_every_position() {
 #[test]
 fn the_engine_answers_qwen3_moe_as_mlx_lm() {
     let test = "the_engine_answers_qwen3_moe_as_mlx_lm";
-    let Some(python) = mlx_lm_python(test) else {
+    let Some(reference) = Reference::find(test, false) else {
         return;
     };
+    answers_match(&reference, write_qwen3_moe);
+}
+
+/// The quantized model, as the engine holds it by default on this
+/// machine's device, in every memory mode.
+#[test]
+fn the_engine_answers_quantized_qwen3_moe_as_mlx_lm() {
+    let test = "the_engine_answers_quantized_qwen3_moe_as_mlx_lm";
+    let Some(reference) = Reference::find(test, true) else {
+        return;
+    };
+    answers_match(&reference, write_qwen3_moe_quantized);
+}
+
+fn answers_match(reference: &Reference, write: fn(&Path)) {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    write_qwen3_moe(dir);
+    write(dir);
     let system = Message::new("system", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12");
     let users = ["w20 w21", "w5", "w30 w31 w32 w33 w34 w35 w36", "w9 w9 w9"];
     let conversations: Vec<Vec<Message>> = users
@@ -100,7 +182,7 @@ fn the_engine_answers_qwen3_moe_as_mlx_lm() {
         dir,
         &json!({"prefix": prefix, "suffixes": suffixes, "max_tokens": 6, "eos": [44]}),
     );
-    let reference = run_parity_script(&python, "mlx_lm_gemma.py", dir, &request);
+    let expected = reference.run("mlx_lm_gemma.py", dir, &request);
     // Every memory mode: the experts are weights like any other.
     for memory in [
         MemoryMode::Resident,
@@ -119,7 +201,7 @@ fn the_engine_answers_qwen3_moe_as_mlx_lm() {
             .unwrap();
         for (row, text) in ours.texts.iter().enumerate() {
             for kind in ["alone_greedy", "batch_greedy"] {
-                let ids: Vec<u32> = serde_json::from_value(reference[kind][row].clone()).unwrap();
+                let ids: Vec<u32> = serde_json::from_value(expected[kind][row].clone()).unwrap();
                 let theirs = tokenizer.decode(&ids).unwrap();
                 assert_eq!(
                     text, &theirs,

@@ -1,12 +1,13 @@
 //! Experts left in the files are read only when routed: a forward of one
 //! token reads exactly the experts it chose (top 2 of 8 in each of the two
 //! sparse layers), each once, and a batch reads each chosen expert once for
-//! all the rows that chose it. Its own test binary: the counter is the
-//! process's.
+//! all the rows that chose it; so too for packed experts (weights, scales
+//! and biases), multiplied packed or unpacked. Its own test binary, one
+//! test: the counter is the process's.
 
 mod common;
 
-use common::tiny_moe::{write_qwen3_moe, EXPERTS};
+use common::tiny_moe::{write_qwen3_moe, write_qwen3_moe_quantized, EXPERTS};
 use mlx_engine::{expert_bytes_read, KvCache, MemoryMode, Model, QuantizedWeights};
 use mlx_rs::Array;
 
@@ -56,4 +57,58 @@ fn only_the_routed_experts_are_read_once_per_forward() {
         same.as_slice::<f32>(),
         "bit for bit"
     );
+
+    quantized_experts_are_read_as_routed();
+}
+
+/// Packed bytes of one expert's three projections, weights and f32 scales
+/// and biases (`write_qwen3_moe_quantized`): in layer 0 the gate
+/// projection (32 × 64) is 8-bit in groups of 64, 2048 + 256 bytes; every
+/// other projection is 4-bit in groups of 32, 1024 + 512 bytes.
+const PACKED_EXPERT_BYTES: [u64; 2] = [2304 + 2 * 1536, 3 * 1536];
+
+fn quantized_experts_are_read_as_routed() {
+    let dir = tempfile::tempdir().unwrap();
+    write_qwen3_moe_quantized(dir.path());
+    let one = Array::from_slice(&[5i32], &[1, 1]);
+    let tokens: Vec<i32> = (0..24).map(|i| (i * 5 + 1) % 40).collect();
+    let batch = Array::from_slice(&tokens, &[2, 12]);
+    for handling in [QuantizedWeights::Keep, QuantizedWeights::DequantizeOnUse] {
+        let load = |memory| {
+            Model::loader(dir.path())
+                .quantized(handling)
+                .memory(memory)
+                .load()
+                .unwrap()
+        };
+        let (mapped, resident) = (load(MemoryMode::MappedTables), load(MemoryMode::Resident));
+        let before = expert_bytes_read();
+        let logits = mapped.forward(&one, &mut KvCache::new()).unwrap();
+        logits.eval().unwrap();
+        // Top 2 in each of the two sparse layers.
+        let read = expert_bytes_read() - before;
+        assert_eq!(
+            read,
+            2 * PACKED_EXPERT_BYTES[0] + 2 * PACKED_EXPERT_BYTES[1],
+            "{handling:?}"
+        );
+        let same = resident.forward(&one, &mut KvCache::new()).unwrap();
+        assert_eq!(
+            logits.as_slice::<f32>(),
+            same.as_slice::<f32>(),
+            "{handling:?}: bit for bit"
+        );
+        let before = expert_bytes_read();
+        let logits = mapped.forward(&batch, &mut KvCache::new()).unwrap();
+        logits.eval().unwrap();
+        let read = expert_bytes_read() - before;
+        let most = EXPERTS as u64 * (PACKED_EXPERT_BYTES[0] + PACKED_EXPERT_BYTES[1]);
+        assert!(read <= most, "{handling:?}: {read} > {most}");
+        let same = resident.forward(&batch, &mut KvCache::new()).unwrap();
+        assert_eq!(
+            logits.as_slice::<f32>(),
+            same.as_slice::<f32>(),
+            "{handling:?}: bit for bit"
+        );
+    }
 }

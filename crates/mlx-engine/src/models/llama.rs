@@ -11,13 +11,11 @@ use crate::models::config::{FamilySettings, ModelConfig};
 use crate::models::family::{Decoder, Family};
 use crate::nn::attention::attention;
 use crate::nn::cache::{at_position, KvCache, LayerMask};
-use crate::nn::experts::{ExpertWeights, Experts};
+use crate::nn::experts::Experts;
 use crate::nn::fused::silu_mul;
 use crate::nn::mlp::gated_mlp;
 use crate::nn::rope::Positions;
 use crate::weights::layers::{Forward, Layers};
-use crate::weights::memory_mode::MemoryMode;
-use crate::weights::routed::RoutedStack;
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
 
 /// Where the llama family's text decoder keeps its weights.
@@ -47,8 +45,9 @@ enum Mlp {
         up: Linear,
         down: Linear,
     },
-    /// qwen3_moe's sparse layers.
-    Experts(Experts),
+    /// qwen3_moe's sparse layers (boxed: three stacks of several arrays
+    /// each, against the dense block's three layers).
+    Experts(Box<Experts>),
 }
 
 /// qwen3_moe's fields of `config.json` (mlx_lm's `ModelArgs`).
@@ -92,9 +91,8 @@ impl MoeSettings {
 }
 
 /// A sparse layer's experts: the router and the stacked expert weights,
-/// in memory, or left in the files when the memory mode leaves tables there
-/// (and when layers are streamed: a streamed layer's unused loads are never
-/// read), to be read as the rows route to them.
+/// held as the memory mode and the quantized weights' handling say (see
+/// `Weights::expert_stack`): a streamed layer's experts stay in the files.
 fn load_experts(
     w: &Weights<'_>,
     mlp: &KeyPath,
@@ -102,56 +100,16 @@ fn load_experts(
     moe: &MoeSettings,
 ) -> Result<Experts> {
     let (e, inter) = (moe.num_experts, moe.moe_intermediate_size);
-    let in_files = w.memory != MemoryMode::Resident;
-    let key = |name: &str| -> Result<KeyPath> {
-        let module = mlp.join("switch_mlp").join(name);
-        if w.has(&module.join("scales")) {
-            return Err(Error::Config {
-                path: w.dir.join("config.json"),
-                message: format!("{module} is quantized: quantized experts are not supported yet"),
-            });
-        }
-        Ok(module.join("weight"))
-    };
-    let shapes = [
-        ("gate_proj", inter, hidden),
-        ("up_proj", inter, hidden),
-        ("down_proj", hidden, inter),
-    ];
-    let weights = if in_files {
-        let [gate, up, down] = shapes.map(|(name, out, inp)| {
-            RoutedStack::new(
-                w.set,
-                w.dir.to_path_buf(),
-                key(name)?.to_string(),
-                [e, out, inp],
-            )
-        });
-        ExpertWeights::InFiles {
-            gate: gate?,
-            up: up?,
-            down: down?,
-        }
-    } else {
-        let [gate, up, down] = shapes.map(|(name, out, inp)| -> Result<Array> {
-            // (experts, out, in) as stored; `gather_mm` takes each expert's
-            // transpose, as mlx_lm's `SwitchLinear` passes it. Computed now
-            // (a view of the same buffer), on the thread that loads: lanes
-            // read the model's arrays from other threads and cannot
-            // compute one.
-            let transposed = w.array(&key(name)?, &[e, out, inp])?.swap_axes(-1, -2)?;
-            transposed.eval()?;
-            Ok(transposed)
-        });
-        ExpertWeights::Resident {
-            gate: gate?,
-            up: up?,
-            down: down?,
-        }
+    let stack = |name: &str, out: usize, inputs: usize| {
+        w.expert_stack(&mlp.join("switch_mlp").join(name), e, out, inputs)
     };
     Ok(Experts {
         router: w.linear(&mlp.join("gate"), hidden, e)?,
-        weights,
+        stacks: [
+            stack("gate_proj", inter, hidden)?,
+            stack("up_proj", inter, hidden)?,
+            stack("down_proj", hidden, inter)?,
+        ],
         top_k: moe.num_experts_per_tok as i32,
         norm_topk_prob: moe.norm_topk_prob,
     })
@@ -183,7 +141,9 @@ impl Layer {
             q_norm: qk_norm("q_norm")?,
             k_norm: qk_norm("k_norm")?,
             mlp: match config.settings::<MoeSettings>() {
-                Some(moe) if moe.sparse(i) => Mlp::Experts(load_experts(w, &mlp, hidden, moe)?),
+                Some(moe) if moe.sparse(i) => {
+                    Mlp::Experts(Box::new(load_experts(w, &mlp, hidden, moe)?))
+                }
                 _ => Mlp::Dense {
                     gate: w.linear(&mlp.join("gate_proj"), hidden, inter)?,
                     up: w.linear(&mlp.join("up_proj"), hidden, inter)?,

@@ -1,18 +1,25 @@
-//! A mixture-of-experts layer's stacked expert weights left in their files
-//! (`MemoryMode::MappedTables` and `Streamed`): at each forward only the
-//! experts the batch's rows were routed to are read, each once for every
-//! row that chose it, with positioned reads straight into one MLX buffer
-//! (st-mmap's `read_rows_into`; no second reader), used and dropped.
+//! A mixture-of-experts layer's stacked expert weights `(experts, out, in)`,
+//! dense or packed, and where they live: in memory, whole, ready for MLX's
+//! routed products; or (packed ones unpacked on use, or any left in their
+//! files under `MemoryMode::MappedTables` and `Streamed`) taken at each
+//! forward for the experts the batch's rows were routed to alone, each once
+//! for every row that chose it. Reads from the files are positioned reads
+//! straight into one MLX buffer (st-mmap's `read_rows_into`; no second
+//! reader), used and dropped.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use mlx_rs::ops::{gather_mm, gather_qmm};
 use mlx_rs::Array;
-use mlx_support::array_written;
+use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
+use crate::weights::memory_mode::MemoryMode;
+use crate::weights::unpack::dequantize_f32;
+use crate::weights::{KeyPath, QuantizedWeights, Weights};
 
 /// Bytes of expert weights read from the files by this process so far.
 static EXPERT_BYTES_READ: AtomicU64 = AtomicU64::new(0);
@@ -23,43 +30,201 @@ pub fn expert_bytes_read() -> u64 {
     EXPERT_BYTES_READ.load(Ordering::Relaxed)
 }
 
-/// One stacked `(experts, out, in)` tensor left in the files.
-pub(crate) struct RoutedStack {
+/// Experts' matrices ready for the routed product, experts on axis 0.
+pub(crate) enum ExpertMatrices {
+    /// Dense, each expert's transpose `(n, in, out)`, as `gather_mm` takes
+    /// it (mlx_lm's `SwitchLinear` passes the same).
+    Dense(Array),
+    /// Packed as stored, `(n, out, in · bits / 32)`, multiplied packed by
+    /// `gather_qmm` (mlx_lm's `QuantizedSwitchLinear`).
+    Packed {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        q: Quantization,
+    },
+}
+
+impl ExpertMatrices {
+    /// Each row of `x` times the matrix of its expert in `experts` (indices
+    /// into these matrices; `sorted` when they ascend).
+    pub(crate) fn product(&self, x: &Array, experts: &Array, sorted: bool) -> Result<Array> {
+        Ok(match self {
+            ExpertMatrices::Dense(w) => gather_mm(x, w, None, Some(experts), Some(sorted))?,
+            ExpertMatrices::Packed {
+                weight,
+                scales,
+                biases,
+                q,
+            } => gather_qmm(
+                x,
+                weight,
+                scales,
+                Some(biases),
+                None,
+                Some(experts),
+                true,
+                q.group_size,
+                q.bits,
+                sorted,
+            )?,
+        })
+    }
+}
+
+/// One projection's stacked experts.
+pub(crate) enum ExpertStack {
+    /// Every expert in memory as the products take them: chosen experts
+    /// are indexed directly.
+    Whole(ExpertMatrices),
+    /// Taken for the chosen experts at each forward: packed arrays in
+    /// memory unpacked on use, or anything left in the files.
+    Chosen(ChosenSource),
+}
+
+/// Where a [`ExpertStack::Chosen`] stack takes its experts from.
+pub(crate) struct ChosenSource {
+    weight: StackPart,
+    /// The scales, biases and quantization of a packed stack.
+    packing: Option<(StackPart, StackPart, Quantization)>,
+    /// Unpack packed experts to f32 (else `gather_qmm` multiplies them).
+    unpack: bool,
+}
+
+/// One array of a stack, experts on axis 0.
+enum StackPart {
+    Memory(Array),
+    Files(FileStack),
+}
+
+impl ExpertStack {
+    /// Whether a forward must know the distinct chosen experts first.
+    pub(crate) fn takes_chosen(&self) -> bool {
+        matches!(self, ExpertStack::Chosen(_))
+    }
+}
+
+impl ChosenSource {
+    /// The matrices of `experts` (distinct, ascending), in that order.
+    pub(crate) fn take(&self, experts: &[usize]) -> Result<ExpertMatrices> {
+        let weight = self.weight.take(experts)?;
+        let Some((scales, biases, q)) = &self.packing else {
+            return Ok(ExpertMatrices::Dense(weight.swap_axes(-1, -2)?));
+        };
+        let (scales, biases) = (scales.take(experts)?, biases.take(experts)?);
+        if !self.unpack {
+            return Ok(ExpertMatrices::Packed {
+                weight,
+                scales,
+                biases,
+                q: *q,
+            });
+        }
+        // Unpacked as one matrix of every chosen expert's rows, the
+        // unpacking's fast path.
+        let (n, out) = (weight.dim(0), weight.dim(1));
+        let flat = |a: &Array| a.reshape(&[n * out, a.dim(2)]);
+        let dense = dequantize_f32(&flat(&weight)?, &flat(&scales)?, &flat(&biases)?, *q)?;
+        let dense = dense.reshape(&[n, out, -1])?;
+        Ok(ExpertMatrices::Dense(dense.swap_axes(-1, -2)?))
+    }
+}
+
+impl StackPart {
+    fn take(&self, experts: &[usize]) -> Result<Array> {
+        match self {
+            // Every expert, in order: the stack itself.
+            StackPart::Memory(all) if experts.len() == all.dim(0) as usize => Ok(all.clone()),
+            StackPart::Memory(all) => {
+                let ids: Vec<u32> = experts.iter().map(|&e| e as u32).collect();
+                let ids = Array::from_slice(&ids, &[ids.len() as i32]);
+                Ok(all.take_axis(&ids, 0)?)
+            }
+            StackPart::Files(stack) => stack.read(experts),
+        }
+    }
+}
+
+impl Weights<'_> {
+    /// `module`'s stacked experts `(experts, out, in)`, dense or packed as
+    /// the files hold them, held as the memory mode and the quantized
+    /// weights' handling say: in the files unless the mode is resident;
+    /// packed ones unpacked whole at load for `DequantizeF32`, kept whole
+    /// for `Keep` (mlx_lm's arithmetic), taken and unpacked per forward for
+    /// `DequantizeOnUse` (an f32 copy of every expert would be the memory
+    /// of an f32 model).
+    pub(crate) fn expert_stack(
+        &self,
+        module: &KeyPath,
+        experts: usize,
+        out: usize,
+        inputs: usize,
+    ) -> Result<ExpertStack> {
+        let packing = self.packing(module, out, inputs)?;
+        let width = packing.map_or(inputs, |q| inputs * q.bits as usize / 32);
+        let in_files = self.memory != MemoryMode::Resident;
+        let part = |name: &str, cols: usize| -> Result<StackPart> {
+            let key = module.join(name);
+            let shape = [experts, out, cols];
+            if in_files {
+                Ok(StackPart::Files(FileStack::new(
+                    self,
+                    key.to_string(),
+                    shape,
+                )?))
+            } else {
+                Ok(StackPart::Memory(self.array(&key, &shape)?))
+            }
+        };
+        let weight = part("weight", width)?;
+        let packing = match packing {
+            Some(q) => {
+                let groups = inputs / q.group_size as usize;
+                Some((part("scales", groups)?, part("biases", groups)?, q))
+            }
+            None => None,
+        };
+        let source = ChosenSource {
+            weight,
+            packing,
+            unpack: self.mode != QuantizedWeights::Keep,
+        };
+        if in_files || (source.packing.is_some() && self.mode == QuantizedWeights::DequantizeOnUse)
+        {
+            return Ok(ExpertStack::Chosen(source));
+        }
+        let all: Vec<usize> = (0..experts).collect();
+        let whole = source.take(&all)?;
+        // Computed now, on the thread that loads: lanes read the model's
+        // arrays from other threads and cannot compute one.
+        match &whole {
+            ExpertMatrices::Dense(w) => w.eval()?,
+            ExpertMatrices::Packed { .. } => {}
+        }
+        Ok(ExpertStack::Whole(whole))
+    }
+}
+
+/// One stacked `(experts, …)` tensor left in the files.
+struct FileStack {
     set: Arc<SafetensorsSet>,
     dir: PathBuf,
     key: String,
 }
 
-impl RoutedStack {
-    /// `key` of `set`, checked to be `shape`.
-    pub(crate) fn new(
-        set: &Arc<SafetensorsSet>,
-        dir: PathBuf,
-        key: String,
-        shape: [usize; 3],
-    ) -> Result<RoutedStack> {
-        let view = set.tensor(&key).ok_or_else(|| Error::MissingWeight {
-            dir: dir.clone(),
-            key: key.clone(),
-        })?;
-        if view.shape != shape {
-            return Err(Error::WeightShape {
-                path: dir.clone(),
-                key,
-                expected: shape.to_vec(),
-                actual: view.shape.to_vec(),
-            });
-        }
-        Ok(RoutedStack {
-            set: set.clone(),
-            dir,
+impl FileStack {
+    /// `key` of the weights' files, checked to be `shape`.
+    fn new(w: &Weights<'_>, key: String, shape: [usize; 3]) -> Result<FileStack> {
+        w.view(&key, &shape)?;
+        Ok(FileStack {
+            set: w.set.clone(),
+            dir: w.dir.to_path_buf(),
             key,
         })
     }
 
-    /// Experts `experts` (distinct, ascending) of the stack, `(n, out, in)`,
-    /// read now.
-    pub(crate) fn read(&self, experts: &[usize]) -> Result<Array> {
+    /// Experts `experts` (distinct, ascending) of the stack, read now.
+    fn read(&self, experts: &[usize]) -> Result<Array> {
         let missing = || Error::MissingWeight {
             dir: self.dir.clone(),
             key: self.key.clone(),

@@ -17,7 +17,7 @@ pub fn run_parity_script(
     dir: &Path,
     request: &Path,
 ) -> serde_json::Value {
-    let reference = run_script(python, script, dir, request);
+    let reference = run_script_on(python, script, dir, request, false);
     assert_eq!(
         reference["version"], "0.32.2",
         "the reference must be mlx_lm 0.32.2 (cargo xtask test installs it beside the venv)"
@@ -25,18 +25,58 @@ pub fn run_parity_script(
     reference
 }
 
+/// The folder of MLX 0.32.4 that `cargo xtask test` keeps beside the venv
+/// of `python`, for mlx_lm 0.32.2's quantized experts; `None`, said on
+/// stderr as `test`'s reason to skip, when it is not there.
+pub fn newer_mlx(python: &str, test: &str) -> Option<PathBuf> {
+    let dir = Path::new(python).parent()?.parent()?.join("mlx-0.32.4");
+    if !dir.is_dir() {
+        eprintln!(
+            "SKIP {test}: no {} (cargo xtask test provides it)",
+            dir.display()
+        );
+        return None;
+    }
+    Some(dir)
+}
+
+/// [`run_parity_script`] with mlx_lm 0.32.2 on MLX 0.32.4 (see
+/// [`newer_mlx`]).
+pub fn run_parity_script_newer_mlx(
+    python: &str,
+    script: &str,
+    dir: &Path,
+    request: &Path,
+) -> serde_json::Value {
+    let reference = run_script_on(python, script, dir, request, true);
+    assert_eq!(reference["version"], "0.32.2");
+    assert_eq!(reference["mlx"], "0.32.4", "the reference's MLX");
+    reference
+}
+
 /// Runs `tests/parity/<script> DIR REQUEST` with `python` and returns the
 /// JSON it prints.
 pub fn run_script(python: &str, script: &str, dir: &Path, request: &Path) -> serde_json::Value {
+    run_script_on(python, script, dir, request, false)
+}
+
+fn run_script_on(
+    python: &str,
+    script: &str,
+    dir: &Path,
+    request: &Path,
+    newer_mlx: bool,
+) -> serde_json::Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/parity")
         .join(script);
-    let out = Command::new(python)
-        .arg(&script)
-        .arg(dir)
-        .arg(request)
-        .output()
-        .unwrap();
+    let mut command = Command::new(python);
+    command.arg(&script).arg(dir).arg(request);
+    if newer_mlx {
+        // The child's environment only: the scripts put MLX 0.32.4 first.
+        command.env("MLX_LOWMEM_NEWER_MLX", "1");
+    }
+    let out = command.output().unwrap();
     assert!(
         out.status.success(),
         "{}: {}",

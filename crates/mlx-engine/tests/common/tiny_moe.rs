@@ -13,6 +13,26 @@ pub const EXPERTS: i32 = 8;
 /// A random qwen3_moe: layers 0 and 2 route to experts, layer 1 is dense
 /// (`mlp_only_layers`), an untied head.
 pub fn write_qwen3_moe(dir: &Path) {
+    write(dir, false);
+}
+
+/// [`write_qwen3_moe`] quantized as mlx_lm quantizes: every projection,
+/// the experts' stacks and both tables at 4 bits in groups of 32, with
+/// per-module entries of mixed precision (layer 0's experts' gate
+/// projection and layer 2's attention output at 8 bits in groups of 64);
+/// the routers stay dense, as mlx_lm keeps them when they have no scales.
+pub fn write_qwen3_moe_quantized(dir: &Path) {
+    write(dir, true);
+}
+
+/// Modules of mixed precision in [`write_qwen3_moe_quantized`]: 8 bits,
+/// groups of 64.
+const EIGHT_BIT: [&str; 2] = [
+    "model.layers.0.mlp.switch_mlp.gate_proj",
+    "model.layers.2.self_attn.o_proj",
+];
+
+fn write(dir: &Path, quantized: bool) {
     let (hidden, heads, kv, hd, inter, moe_inter) = (64, 4, 2, 16, 96, 32);
     let config = json!({
         "model_type": "qwen3_moe", "hidden_size": hidden, "num_hidden_layers": LAYERS,
@@ -22,7 +42,6 @@ pub fn write_qwen3_moe(dir: &Path) {
         "num_experts": EXPERTS, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
         "mlp_only_layers": [1], "moe_intermediate_size": moe_inter, "norm_topk_prob": true
     });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let mut seed = 500;
     let mut w = |shape: &[i32], std: f32| {
         seed += 1;
@@ -71,6 +90,16 @@ pub fn write_qwen3_moe(dir: &Path) {
         weights.push((format!("{p}input_layernorm.weight"), ones(hidden)));
         weights.push((format!("{p}post_attention_layernorm.weight"), ones(hidden)));
     }
+    let mut config = config;
+    if quantized {
+        weights = quantize(weights);
+        let mut q = json!({"group_size": 32, "bits": 4});
+        for module in EIGHT_BIT {
+            q[module] = json!({"group_size": 64, "bits": 8});
+        }
+        config["quantization"] = q;
+    }
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     Array::save_safetensors(
         weights.iter().map(|(k, v)| (k.as_str(), v)),
         None,
@@ -78,4 +107,28 @@ pub fn write_qwen3_moe(dir: &Path) {
     )
     .unwrap();
     write_tokenizer(dir, false);
+}
+
+/// Each matrix but the norms and the routers replaced by its packed
+/// weight, scales and biases (MLX's `quantize`, as mlx_lm calls it).
+fn quantize(weights: Vec<(String, Array)>) -> Vec<(String, Array)> {
+    let mut out = Vec::new();
+    for (key, value) in weights {
+        let module = key.strip_suffix(".weight").unwrap_or(&key).to_owned();
+        let dense = value.ndim() == 1 || module.ends_with("mlp.gate") || !key.ends_with(".weight");
+        if dense {
+            out.push((key, value));
+            continue;
+        }
+        let (group_size, bits) = if EIGHT_BIT.contains(&module.as_str()) {
+            (64, 8)
+        } else {
+            (32, 4)
+        };
+        let (w, scales, biases) = mlx_rs::ops::quantize(&value, group_size, bits).unwrap();
+        out.push((key, w));
+        out.push((format!("{module}.scales"), scales));
+        out.push((format!("{module}.biases"), biases));
+    }
+    out
 }

@@ -18,12 +18,18 @@ comes from `<venv>/mlx-lm-0.32.2` when `cargo xtask test` put it there.
 """
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
 newer = Path(sys.prefix) / "mlx-lm-0.32.2"
 if newer.is_dir():
     sys.path.insert(0, str(newer))
+# mlx_lm 0.32.2's quantized experts call `gather_qmm` with an argument
+# that MLX 0.32.2 lacks: their reference runs on the MLX 0.32.4 that
+# `cargo xtask test` keeps beside the venv.
+if os.environ.get("MLX_LOWMEM_NEWER_MLX"):
+    sys.path.insert(0, str(Path(sys.prefix) / "mlx-0.32.4"))
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
@@ -54,6 +60,7 @@ def main():
         json.dumps(
             {
                 "version": mlx_lm.__version__,
+                "mlx": mx.__version__,
                 "dtype": dtype,
                 "prefix": prefix_logits,
                 "whole": whole,
