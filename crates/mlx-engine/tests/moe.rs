@@ -2,7 +2,8 @@
 //! (8 experts, top 2 with renormalised weights, one dense layer among the
 //! sparse ones), logits at every position of each prompt — whole, after a
 //! shared prefix, and in a left-padded batch after it — within 1e-4 of
-//! mlx_lm's, and the engine's greedy answers equal to mlx_lm's. The same
+//! mlx_lm's, and the engine's greedy answers equal to mlx_lm's; so too a
+//! random tiny mixtral (top 2 of the logits, then a softmax). The same
 //! model quantized (4 bits with 8-bit modules among them, routers dense)
 //! within 1e-3 of mlx_lm 0.32.2 on MLX 0.32.4 (the MLX its quantized
 //! experts need), multiplied packed or unpacked to f32.
@@ -15,7 +16,7 @@ use common::logits::{
     assert_every_position, largest_difference, newer_mlx, positions, run_parity_script,
     run_parity_script_newer_mlx, write_request,
 };
-use common::tiny_moe::{write_qwen3_moe, write_qwen3_moe_quantized};
+use common::tiny_moe::{write_mixtral, write_qwen3_moe, write_qwen3_moe_quantized};
 use mlx_engine::{
     EngineConfig, GenerateOptions, KvCache, MemoryMode, Message, MlxEngine, Model,
     QuantizedWeights, SpecialTokens, Tokenizer,
@@ -73,6 +74,20 @@ fn qwen3_moe_matches_mlx_lm_at_every_position() {
     positions_match(
         &reference,
         write_qwen3_moe,
+        &[QuantizedWeights::Keep],
+        TOLERANCE,
+    );
+}
+
+#[test]
+fn mixtral_matches_mlx_lm_at_every_position() {
+    let test = "mixtral_matches_mlx_lm_at_every_position";
+    let Some(reference) = Reference::find(test, false) else {
+        return;
+    };
+    positions_match(
+        &reference,
+        write_mixtral,
         &[QuantizedWeights::Keep],
         TOLERANCE,
     );
@@ -142,6 +157,15 @@ fn the_engine_answers_qwen3_moe_as_mlx_lm() {
         return;
     };
     answers_match(&reference, write_qwen3_moe);
+}
+
+#[test]
+fn the_engine_answers_mixtral_as_mlx_lm() {
+    let test = "the_engine_answers_mixtral_as_mlx_lm";
+    let Some(reference) = Reference::find(test, false) else {
+        return;
+    };
+    answers_match(&reference, write_mixtral);
 }
 
 /// The quantized model, as the engine holds it by default on this

@@ -16,6 +16,7 @@ pub const SUPPORTED: &[&str] = &[
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "mixtral",
     "gemma3_text",
     "gemma3",
     "gemma4_text",

@@ -1,6 +1,6 @@
-//! The llama-family decoder (llama, mistral, qwen2, qwen3, and qwen3_moe,
-//! whose sparse layers route each position to a few experts) written with
-//! mlx-rs.
+//! The llama-family decoder (llama, mistral, qwen2, qwen3, and the
+//! mixtures of experts qwen3_moe and mixtral, whose sparse layers route
+//! each position to a few experts) written with mlx-rs.
 
 use mlx_rs::fast;
 use mlx_rs::Array;
@@ -11,7 +11,7 @@ use crate::models::config::{FamilySettings, ModelConfig};
 use crate::models::family::{Decoder, Family};
 use crate::nn::attention::attention;
 use crate::nn::cache::{at_position, KvCache, LayerMask};
-use crate::nn::experts::Experts;
+use crate::nn::experts::{Experts, Routing};
 use crate::nn::fused::silu_mul;
 use crate::nn::mlp::gated_mlp;
 use crate::nn::rope::Positions;
@@ -45,12 +45,14 @@ enum Mlp {
         up: Linear,
         down: Linear,
     },
-    /// qwen3_moe's sparse layers (boxed: three stacks of several arrays
+    /// The sparse layers of qwen3_moe and mixtral (boxed: three stacks of several arrays
     /// each, against the dense block's three layers).
     Experts(Box<Experts>),
 }
 
-/// qwen3_moe's fields of `config.json` (mlx_lm's `ModelArgs`).
+/// The mixture of experts' fields of `config.json`: qwen3_moe's as mlx_lm's
+/// `ModelArgs` names them; mixtral's are read into the same (see
+/// [`MoeSettings::mixtral`]).
 #[derive(Debug, Clone, serde::Deserialize)]
 struct MoeSettings {
     num_experts: usize,
@@ -62,6 +64,28 @@ struct MoeSettings {
     moe_intermediate_size: usize,
     #[serde(default)]
     norm_topk_prob: bool,
+    /// Which of the two the checkpoint is.
+    #[serde(skip)]
+    style: MoeStyle,
+}
+
+/// How a family lays out and routes its experts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum MoeStyle {
+    /// Under `mlp`, a softmax over every expert, then the top k.
+    #[default]
+    Qwen3Moe,
+    /// Under `block_sparse_moe`, the top k of the router's logits, then a
+    /// softmax over those; every layer sparse.
+    Mixtral,
+}
+
+/// mixtral's fields of `config.json` (mlx_lm's `ModelArgs`).
+#[derive(Debug, Clone, serde::Deserialize)]
+struct MixtralFields {
+    num_local_experts: usize,
+    num_experts_per_tok: usize,
+    intermediate_size: usize,
 }
 
 fn one() -> usize {
@@ -69,6 +93,35 @@ fn one() -> usize {
 }
 
 impl MoeSettings {
+    fn mixtral(fields: MixtralFields) -> MoeSettings {
+        MoeSettings {
+            num_experts: fields.num_local_experts,
+            num_experts_per_tok: fields.num_experts_per_tok,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
+            moe_intermediate_size: fields.intermediate_size,
+            norm_topk_prob: false,
+            style: MoeStyle::Mixtral,
+        }
+    }
+
+    /// The feed-forward block's name within a layer.
+    fn block(&self) -> &'static str {
+        match self.style {
+            MoeStyle::Qwen3Moe => "mlp",
+            MoeStyle::Mixtral => "block_sparse_moe",
+        }
+    }
+
+    fn routing(&self) -> Routing {
+        match self.style {
+            MoeStyle::Qwen3Moe => Routing::SoftmaxThenTopK {
+                renormalise: self.norm_topk_prob,
+            },
+            MoeStyle::Mixtral => Routing::TopKThenSoftmax,
+        }
+    }
+
     /// Whether layer `i` routes to experts (mlx_lm's rule).
     fn sparse(&self, i: usize) -> bool {
         !self.mlp_only_layers.contains(&i)
@@ -111,7 +164,7 @@ fn load_experts(
             stack("down_proj", hidden, inter)?,
         ],
         top_k: moe.num_experts_per_tok as i32,
-        norm_topk_prob: moe.norm_topk_prob,
+        routing: moe.routing(),
     })
 }
 
@@ -142,7 +195,8 @@ impl Layer {
             k_norm: qk_norm("k_norm")?,
             mlp: match config.settings::<MoeSettings>() {
                 Some(moe) if moe.sparse(i) => {
-                    Mlp::Experts(Box::new(load_experts(w, &mlp, hidden, moe)?))
+                    let block = p.join(moe.block());
+                    Mlp::Experts(Box::new(load_experts(w, &block, hidden, moe)?))
                 }
                 _ => Mlp::Dense {
                     gate: w.linear(&mlp.join("gate_proj"), hidden, inter)?,
@@ -156,15 +210,24 @@ impl Layer {
     }
 }
 
-/// The llama family: llama, mistral, qwen2, qwen3, qwen3_moe.
+/// The llama family: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral.
 pub(crate) const FAMILY: Family = Family {
-    model_types: &["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"],
-    fields: |raw| Ok(raw.clone()),
-    settings: |raw, _, config| {
-        if config.model_type != "qwen3_moe" {
-            return Ok(None);
+    model_types: &["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"],
+    fields: |raw| {
+        let mut fields = raw.clone();
+        // mlx_lm's default for mixtral, where ours is llama's.
+        if raw["model_type"] == "mixtral" && raw.get("rope_theta").is_none() {
+            fields["rope_theta"] = serde_json::json!(1e6);
         }
-        let moe: MoeSettings = serde_json::from_value(raw.clone()).map_err(|e| e.to_string())?;
+        Ok(fields)
+    },
+    settings: |raw, _, config| {
+        let parsed = match config.model_type.as_str() {
+            "qwen3_moe" => serde_json::from_value(raw.clone()),
+            "mixtral" => serde_json::from_value(raw.clone()).map(MoeSettings::mixtral),
+            _ => return Ok(None),
+        };
+        let moe: MoeSettings = parsed.map_err(|e| e.to_string())?;
         moe.check()?;
         Ok(Some(FamilySettings::new(moe)))
     },

@@ -1,7 +1,7 @@
 //! A mixture-of-experts feed-forward block, as mlx_lm 0.32.2's
-//! `Qwen3MoeSparseMoeBlock` and `SwitchGLU` compute it: a router's softmax
-//! (in f32), the top-k experts of each position, their weights renormalised
-//! when the config says so, each chosen expert's gated MLP through MLX's
+//! `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock` and `SwitchGLU`
+//! compute it: the router's choice of each position's top-k experts and
+//! their weights (see [`Routing`]), each chosen expert's gated MLP through MLX's
 //! `gather_mm` (`gather_qmm` for experts multiplied packed; rows sorted by expert once there are 64 or more choices,
 //! as mlx_lm sorts them), and the experts' outputs summed by weight.
 
@@ -21,8 +21,17 @@ pub(crate) struct Experts {
     /// The gate, up and down projections.
     pub stacks: [ExpertStack; 3],
     pub top_k: i32,
-    /// Renormalise the chosen experts' weights to sum to one.
-    pub norm_topk_prob: bool,
+    pub routing: Routing,
+}
+
+/// How the router's logits choose the experts and weigh them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Routing {
+    /// qwen3_moe: a softmax over every expert, its top k, their weights
+    /// renormalised to sum to one when asked (`norm_topk_prob`).
+    SoftmaxThenTopK { renormalise: bool },
+    /// mixtral: the top k of the logits, a softmax over those k.
+    TopKThenSoftmax,
 }
 
 /// mlx_lm sorts the (row, expert) choices by expert from this many on.
@@ -38,19 +47,30 @@ impl Experts {
         Ok(sum_axis(&weighted, -2, false)?.as_dtype(y.dtype())?)
     }
 
-    /// Each position's `top_k` experts `(B, L, k)` and their weights.
+    /// Each position's `top_k` experts `(B, L, k)` and their weights, in
+    /// mlx_lm's order (the order the k outputs are summed in).
     pub(crate) fn route(&self, x: &Array) -> Result<(Array, Array)> {
         let logits = self.router.forward(x)?;
-        let probs = softmax_axis(&logits, -1, true)?;
         let k = self.top_k;
-        let chosen = argpartition_axis(&probs, -k, -1)?;
-        let last = chosen.dim(-1);
-        let chosen = chosen.index((.., .., last - k..));
-        let mut weights = take_along_axis(&probs, &chosen, -1)?;
-        if self.norm_topk_prob {
-            weights = weights.divide(sum_axis(&weights, -1, true)?)?;
-        }
-        Ok((chosen, weights))
+        Ok(match self.routing {
+            Routing::SoftmaxThenTopK { renormalise } => {
+                let probs = softmax_axis(&logits, -1, true)?;
+                let chosen = argpartition_axis(&probs, -k, -1)?;
+                let last = chosen.dim(-1);
+                let chosen = chosen.index((.., .., last - k..));
+                let mut weights = take_along_axis(&probs, &chosen, -1)?;
+                if renormalise {
+                    weights = weights.divide(sum_axis(&weights, -1, true)?)?;
+                }
+                (chosen, weights)
+            }
+            Routing::TopKThenSoftmax => {
+                let chosen = argpartition_axis(&logits.negative()?, k - 1, -1)?;
+                let chosen = chosen.index((.., .., ..k));
+                let scores = take_along_axis(&logits, &chosen, -1)?;
+                (chosen, softmax_axis(&scores, -1, true)?)
+            }
+        })
     }
 
     /// Each chosen expert's gated MLP on its row: `(B, L, k, hidden)`.
