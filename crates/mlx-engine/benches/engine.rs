@@ -11,6 +11,11 @@
 //! deep-copied per conversation); the `mlx_lm one call` row hands them all
 //! to one call, as this benchmark did before.
 //!
+//! `--models qwen3-moe` (not run by default) is a qwen3_moe with
+//! Qwen3-30B-A3B's widths in 6 layers and random 4-bit weights
+//! (`qwen3_moe_shaped`), resident, with its experts left in the files, and
+//! streamed, at batch 1, 8 and 32; ours print the experts' bytes read.
+//!
 //! Arguments: `--models smollm2,gemma3,gemma4-e2b`, and to override each
 //! model's own settings `--conversations N` (256; Gemma 3 64, its 4-bit
 //! runs 8; E2B 8), `--mlx-lm-conversations N` for mlx_lm's side alone
@@ -30,6 +35,7 @@ use std::process::Command;
 use mlx_engine::{EngineConfig, GenerateOptions, MemoryMode, Message, MlxEngine};
 
 mod gemma4_e2b;
+mod qwen3_moe_shaped;
 
 fn words(seed: usize, n: usize) -> String {
     const WORDS: [&str; 16] = [
@@ -123,8 +129,10 @@ fn child(
     let mlx_peak = mlx_rs::memory::peak_memory()
         .ok()
         .and_then(|b| u64::try_from(b).ok());
+    // Last: the bytes of experts read from the files (mixture-of-experts
+    // models whose experts stay there).
     println!(
-        "{} {} {} {} {} {} {} {} {}",
+        "{} {} {} {} {} {} {} {} {} {}",
         s.seconds,
         s.conversations,
         s.prompt_tokens,
@@ -134,6 +142,7 @@ fn child(
         kib(loaded.rss),
         kib(loaded.peak_rss),
         kib(mlx_peak),
+        mlx_engine::expert_bytes_read(),
     );
 }
 
@@ -262,9 +271,10 @@ fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
         .split_whitespace()
         .filter_map(|x| x.parse().ok())
         .collect();
-    // Ours print four more: RSS at the start and after the load, the
-    // load's peak, and MLX's peak of live buffers (KiB).
-    if f.len() != 5 && f.len() != 9 {
+    // Ours print five more: RSS at the start and after the load, the
+    // load's peak, and MLX's peak of live buffers (KiB); the bytes of
+    // experts read from the files.
+    if f.len() != 5 && f.len() != 10 {
         println!("{label}: no result ({line:?})");
         return;
     }
@@ -276,6 +286,14 @@ fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
             mb(loaded),
             mb(load_peak),
             mb(mlx_peak)
+        ),
+        _ => String::new(),
+    };
+    let experts = match f.get(9) {
+        Some(&bytes) if bytes > 0.0 => format!(
+            ", experts read {:.0} MB = {:.1} MB per generated token",
+            bytes / 1e6,
+            bytes / 1e6 / f[3].max(1.0)
         ),
         _ => String::new(),
     };
@@ -291,7 +309,7 @@ fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
         _ => String::new(),
     };
     println!(
-        "{label}: {:.2} conv/s, {:.0} prompt tok/s, {:.1} decode tok/s, peak RSS {:.0} MB{breakdown}{linear}",
+        "{label}: {:.2} conv/s, {:.0} prompt tok/s, {:.1} decode tok/s, peak RSS {:.0} MB{breakdown}{experts}{linear}",
         rate(f[1]),
         rate(f[2]),
         rate(f[3]),
@@ -339,7 +357,7 @@ fn main() {
     let python = std::env::var("MLX_LOWMEM_PYTHON").ok();
     for name in list(&args, "--models", "smollm2,gemma3,gemma4-e2b") {
         let Some(bench) = ModelBench::named(&name) else {
-            println!("unknown model {name:?}: smollm2, gemma3 or gemma4-e2b");
+            println!("unknown model {name:?}: smollm2, gemma3, gemma4-e2b or qwen3-moe");
             continue;
         };
         let Some(fixture) = std::env::var_os(bench.fixture_var).map(PathBuf::from) else {
@@ -452,6 +470,26 @@ impl ModelBench {
                 max_tokens: "1",
                 modes: &[("per-chunk", "mlx_lm")],
                 // The folder has its own (`gemma4_e2b::ensure`).
+                chat_template: None,
+            }),
+            // Qwen3-30B-A3B's widths in 6 layers, random 4-bit weights
+            // (`qwen3_moe_shaped`): where the experts live, batch by batch.
+            // mlx_lm is not run: its quantized experts need MLX 0.32.4 and
+            // take seconds per token on the CPU (docs/benchmarks.md).
+            "qwen3-moe" => Some(ModelBench {
+                name: "qwen3_moe, Qwen3-30B-A3B-shaped, 6 layers (random weights)",
+                fixture_var: "MLX_LOWMEM_SMOLLM2",
+                make: Some(|smollm2| qwen3_moe_shaped::ensure(&smollm2.join("f32"))),
+                variants: "q4",
+                system_words: 100,
+                conversations: "32",
+                q4_conversations: "32",
+                q4_python_conversations: Some("0"),
+                q4_f32_at_load: false,
+                memory: "resident,mapped,streamed",
+                batches: "1,8,32",
+                max_tokens: "1,16",
+                modes: &[],
                 chat_template: None,
             }),
             _ => None,

@@ -32,8 +32,8 @@ use test_support::gemma4_e2b::{
     is_full as full_attention, layer_tensors, LayerTensor, E2B_VOCAB as VOCAB, GLOBAL_HEAD_DIM,
     HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, PER_LAYER, SHARED_LAYERS, WINDOW,
 };
-const GROUP: i32 = 64;
-const BITS: i32 = 4;
+pub(crate) const GROUP: i32 = 64;
+pub(crate) const BITS: i32 = 4;
 /// Layers per weights file, so that making one holds a few layers at most.
 const LAYERS_PER_FILE: i32 = 5;
 /// Bumped whenever what is written changes, so an old copy is remade.
@@ -70,7 +70,7 @@ fn config() -> serde_json::Value {
 /// Random packed 4-bit weights for a `(rows, cols)` matrix: `(weight,
 /// scales, biases)`, each nibble uniform in 0..16 and the values centred
 /// on zero with a standard deviation of about `1/√cols`.
-fn random_packed(rows: i32, cols: i32, seed: u64) -> anyhow::Result<[Array; 3]> {
+pub(crate) fn random_packed(rows: i32, cols: i32, seed: u64) -> anyhow::Result<[Array; 3]> {
     let key = random::key(seed)?;
     let (k1, k2) = random::split(&key, 2)?;
     let shape = [rows, cols * BITS / 32];

@@ -11,7 +11,7 @@ use crate::models::config::{FamilySettings, ModelConfig};
 use crate::models::family::{Decoder, Family};
 use crate::nn::attention::attention;
 use crate::nn::cache::{at_position, KvCache, LayerMask};
-use crate::nn::experts::{Experts, Routing};
+use crate::nn::experts::{Experts, Routing, TAKEN_AT_ONCE};
 use crate::nn::fused::silu_mul;
 use crate::nn::mlp::gated_mlp;
 use crate::nn::rope::Positions;
@@ -165,6 +165,7 @@ fn load_experts(
         ],
         top_k: moe.num_experts_per_tok as i32,
         routing: moe.routing(),
+        taken_at_once: TAKEN_AT_ONCE,
     })
 }
 

@@ -22,7 +22,15 @@ pub(crate) struct Experts {
     pub stacks: [ExpertStack; 3],
     pub top_k: i32,
     pub routing: Routing,
+    /// Bytes of experts a forward takes (unpacks, or reads dense) at once,
+    /// about: past it, the chosen experts are taken and multiplied a group
+    /// at a time, each group's products computed before the next is taken.
+    pub taken_at_once: usize,
 }
+
+/// [`Experts::taken_at_once`] as loaded: 16 of Qwen3-30B-A3B's experts
+/// unpacked to f32 (18.9 MB each), where all 128 would be 2.4 GB.
+pub(crate) const TAKEN_AT_ONCE: usize = 320_000_000;
 
 /// How the router's logits choose the experts and weigh them.
 #[derive(Debug, Clone, Copy)]
@@ -75,6 +83,19 @@ impl Experts {
 
     /// Each chosen expert's gated MLP on its row: `(B, L, k, hidden)`.
     fn switch_glu(&self, x: &Array, chosen: &Array) -> Result<Array> {
+        let per_expert: usize = self
+            .stacks
+            .iter()
+            .map(ExpertStack::taken_bytes_per_expert)
+            .sum();
+        // Nothing taken per forward (`per_expert` 0): no groups.
+        if let Some(at_once) = self.taken_at_once.checked_div(per_expert) {
+            let at_once = at_once.max(1);
+            let (ids, distinct) = chosen_ids(chosen)?;
+            if distinct.len() > at_once {
+                return self.switch_glu_in_groups(x, chosen, &ids, &distinct, at_once);
+            }
+        }
         let (b, l, k) = (chosen.dim(0), chosen.dim(1), chosen.dim(2));
         let hidden = x.dim(-1);
         let rows = expand_dims_axes(x, &[-2, -3])?; // (B, L, 1, 1, hidden)
@@ -136,9 +157,137 @@ impl Experts {
     }
 }
 
-/// The distinct experts of `chosen` (ascending), and `chosen` renumbered
-/// as places among them. Reads the routing: it is computed here.
-fn renumbered(chosen: &Array) -> Result<(Vec<usize>, Array)> {
+impl Experts {
+    /// [`switch_glu`](Self::switch_glu) for choices `ids` (`chosen`
+    /// flattened) among `distinct` experts, `at_once` of them taken at a
+    /// time, each group's products computed before the next group is
+    /// taken. Each choice's products are those the whole forward computes,
+    /// bit for bit: sorted, a group's rows are its experts' run of the
+    /// sorted choices; unsorted (few choices), every group multiplies every
+    /// row in the whole forward's layout, and keeps its own choices' rows.
+    fn switch_glu_in_groups(
+        &self,
+        x: &Array,
+        chosen: &Array,
+        ids: &[u32],
+        distinct: &[usize],
+        at_once: usize,
+    ) -> Result<Array> {
+        if ids.len() < SORT_FROM {
+            return self.unsorted_in_groups(x, chosen, ids, distinct, at_once);
+        }
+        let (b, l, k) = (chosen.dim(0), chosen.dim(1), chosen.dim(2));
+        let hidden = x.dim(-1);
+        // The choices sorted by expert, as places in `ids`.
+        let order = argsort_axis(&chosen.flatten(None, None)?, 0)?;
+        order.eval()?;
+        let order: Vec<u32> = order
+            .try_as_slice::<u32>()
+            .map_err(|e| mlx_rs::error::Exception::custom(format!("routed experts: {e}")))?
+            .to_vec();
+        let rows = x.reshape(&[b * l, 1, hidden])?;
+        let mut outputs = Vec::new();
+        let mut start = 0;
+        for group in distinct.chunks(at_once) {
+            let last = group[group.len() - 1] as u32;
+            let run = order[start..]
+                .iter()
+                .take_while(|&&c| ids[c as usize] <= last)
+                .count();
+            let choices = &order[start..start + run];
+            start += run;
+            let n = choices.len() as i32;
+            let of_row: Vec<u32> = choices.iter().map(|&c| c / k as u32).collect();
+            let group_rows = rows.take_axis(Array::from_slice(&of_row, &[n]), 0)?;
+            let global: Vec<u32> = choices.iter().map(|&c| ids[c as usize]).collect();
+            let down = self.group_products(group, &group_rows, &global, &[n], true)?;
+            // Computed now, so that this group's experts are dropped
+            // before the next group's are taken.
+            down.eval()?;
+            outputs.push(down);
+        }
+        // (choices, 1, hidden) sorted by expert, back to the choices' own
+        // order and shape.
+        let all = mlx_rs::ops::concatenate(&outputs, 0)?;
+        let back = argsort_axis(Array::from_slice(&order, &[order.len() as i32]), 0)?;
+        let out = all.take_axis(&back, 0)?.reshape(&[b, l, k, 1, hidden])?;
+        Ok(out.squeeze_axes(&[-2])?)
+    }
+
+    /// The unsorted case of [`switch_glu_in_groups`](Self::switch_glu_in_groups):
+    /// MLX multiplies rows laid out `(B, L, 1, 1, hidden)` against the
+    /// `(B, L, k)` choices otherwise than a list of rows (rounding), so each
+    /// group runs the whole layout, its other choices pointed at one of its
+    /// own experts, and keeps its own choices' results. At most 63 choices:
+    /// a few groups of a few rows.
+    fn unsorted_in_groups(
+        &self,
+        x: &Array,
+        chosen: &Array,
+        ids: &[u32],
+        distinct: &[usize],
+        at_once: usize,
+    ) -> Result<Array> {
+        let rows = expand_dims_axes(x, &[-2, -3])?; // (B, L, 1, 1, hidden)
+        let mut out: Option<Array> = None;
+        for group in distinct.chunks(at_once) {
+            let (first, last) = (group[0] as u32, group[group.len() - 1] as u32);
+            let mine: Vec<bool> = ids.iter().map(|&e| (first..=last).contains(&e)).collect();
+            let global: Vec<u32> = ids
+                .iter()
+                .zip(&mine)
+                .map(|(&e, &m)| if m { e } else { first })
+                .collect();
+            let down = self.group_products(group, &rows, &global, chosen.shape(), false)?;
+            let mut shape = chosen.shape().to_vec();
+            shape.extend([1, 1]);
+            let mine = Array::from_slice(&mine, &shape);
+            let kept = match out {
+                Some(sum) => mlx_rs::ops::select(&mine, &down, &sum)?,
+                None => down,
+            };
+            kept.eval()?;
+            out = Some(kept);
+        }
+        let out = out.unwrap_or_else(|| Array::from_f32(0.0));
+        Ok(out.squeeze_axes(&[-2])?)
+    }
+
+    /// The gated MLP of `rows` for the choices `global` (experts' own
+    /// numbers, laid out as `shape`), all among `group`: the stacks that
+    /// take experts take `group`'s.
+    fn group_products(
+        &self,
+        group: &[usize],
+        rows: &Array,
+        global: &[u32],
+        shape: &[i32],
+        sorted: bool,
+    ) -> Result<Array> {
+        let local: Vec<u32> = global
+            .iter()
+            .map(|&e| group.partition_point(|&d| d < e as usize) as u32)
+            .collect();
+        let (global, local) = (
+            Array::from_slice(global, shape),
+            Array::from_slice(&local, shape),
+        );
+        let product = |stack: &ExpertStack, a: &Array| -> Result<Array> {
+            match stack {
+                ExpertStack::Chosen(source) => source.take(group)?.product(a, &local, sorted),
+                ExpertStack::Whole(matrices) => matrices.product(a, &global, sorted),
+            }
+        };
+        let [gate, up, down] = &self.stacks;
+        let up = product(up, rows)?;
+        let gate = product(gate, rows)?;
+        product(down, &silu_mul(&gate, &up)?)
+    }
+}
+
+/// `chosen` flattened, read to the host, and its distinct experts in
+/// ascending order.
+fn chosen_ids(chosen: &Array) -> Result<(Vec<u32>, Vec<usize>)> {
     let flat = chosen.contiguous()?;
     flat.eval()?;
     let ids: Vec<u32> = flat
@@ -148,9 +297,84 @@ fn renumbered(chosen: &Array) -> Result<(Vec<usize>, Array)> {
     let mut distinct: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
     distinct.sort_unstable();
     distinct.dedup();
+    Ok((ids, distinct))
+}
+
+/// The distinct experts of `chosen` (ascending), and `chosen` renumbered
+/// as places among them. Reads the routing: it is computed here.
+fn renumbered(chosen: &Array) -> Result<(Vec<usize>, Array)> {
+    let (ids, distinct) = chosen_ids(chosen)?;
     let local: Vec<u32> = ids
         .iter()
         .map(|&e| distinct.partition_point(|&d| d < e as usize) as u32)
         .collect();
     Ok((distinct, Array::from_slice(&local, chosen.shape())))
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx_rs::ops::quantize;
+    use mlx_rs::random;
+    use mlx_support::Quantization;
+
+    use super::*;
+
+    const EXPERTS: i32 = 16;
+    const HIDDEN: i32 = 64;
+    const INTER: i32 = 32;
+    const Q: Quantization = Quantization {
+        group_size: 32,
+        bits: 4,
+    };
+
+    fn normal(shape: &[i32], seed: u64) -> Array {
+        random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap()
+    }
+
+    /// Random 4-bit experts in memory, taken per forward, `taken_at_once`
+    /// bytes of them at a time; `unpack`: to f32, else multiplied packed.
+    fn experts(unpack: bool, taken_at_once: usize) -> Experts {
+        let packed = |shape: &[i32], seed| {
+            let (w, s, b) = quantize(normal(shape, seed), Q.group_size, Q.bits).unwrap();
+            ExpertStack::chosen_in_memory(w, Some((s, b, Q)), unpack)
+        };
+        let (router, s, b) = quantize(normal(&[EXPERTS, HIDDEN], 1), 32, 4).unwrap();
+        Experts {
+            router: Linear::packed_on_use(router, s, b, Q),
+            stacks: [
+                packed(&[EXPERTS, INTER, HIDDEN], 2),
+                packed(&[EXPERTS, INTER, HIDDEN], 3),
+                packed(&[EXPERTS, HIDDEN, INTER], 4),
+            ],
+            top_k: 4,
+            routing: Routing::SoftmaxThenTopK { renormalise: true },
+            taken_at_once,
+        }
+    }
+
+    /// Taken three experts at a time, a forward's output equals the one
+    /// that takes them all at once, bit for bit: with few choices (in the
+    /// rows' order) and with many (sorted by expert), unpacked or packed.
+    #[test]
+    fn experts_taken_in_groups_give_the_same_bits() {
+        let per_expert = 3 * (INTER * HIDDEN) as usize * 4;
+        for unpack in [true, false] {
+            let (whole, grouped) = (experts(unpack, usize::MAX), experts(unpack, 3 * per_expert));
+            // 3 × 5 × 4 = 60 choices (not sorted), 4 × 6 × 4 = 96 (sorted).
+            for (shape, seed) in [([3, 5, HIDDEN], 10), ([4, 6, HIDDEN], 11)] {
+                let x = normal(&shape, seed);
+                let (chosen, _) = whole.route(&x).unwrap();
+                let (_, distinct) = chosen_ids(&chosen).unwrap();
+                assert!(distinct.len() > 6, "the groups are at least three");
+                let a = whole.forward(&x).unwrap();
+                let b = grouped.forward(&x).unwrap();
+                assert_eq!(a.shape(), [shape[0], shape[1], HIDDEN]);
+                assert_eq!(
+                    a.as_slice::<f32>(),
+                    b.as_slice::<f32>(),
+                    "unpack {unpack}, {shape:?}"
+                );
+            }
+        }
+    }
 }

@@ -36,7 +36,9 @@ pub enum MemoryMode {
 
 impl MemoryMode {
     /// The engine's default for a model whose weight files hold
-    /// `weight_bytes`, `table_bytes` of them in embedding tables, on a
+    /// `weight_bytes`, `table_bytes` of them in embedding tables (and, in a
+    /// mixture of experts, stacked experts: what `MappedTables` leaves in
+    /// the files), on a
     /// machine whose memory limit (physical memory, or a lower cgroup
     /// limit) is `memory_bytes`. As many weights resident as fit in half
     /// the memory, since the page cache, the activations and the rest of
@@ -69,7 +71,9 @@ impl MemoryMode {
 
     /// [`for_model`](Self::for_model) for the model folder `dir` on this
     /// machine ([`mlx_support::memory_limit`]): the engine's default. The
-    /// tables' size is read from the files' headers.
+    /// tables' (and experts') size is read from the files' headers: a
+    /// 17 GB mixture of experts whose experts are 16 GB maps them on a
+    /// 16 GB machine instead of streaming its layers.
     pub fn for_model_dir(dir: &Path) -> MemoryMode {
         let (weights, tables) = weight_and_table_bytes(dir);
         MemoryMode::for_model(weights, tables, mlx_support::memory_limit())
@@ -81,8 +85,8 @@ impl MemoryMode {
     }
 }
 
-/// The size of the model's weight files in `dir`, and of the embedding
-/// tables' tensors in them, both from the folder's safetensors set (the
+/// The size of the model's weight files in `dir`, and of the tensors in
+/// them that `MappedTables` leaves there (see [`is_table_key`]), both from the folder's safetensors set (the
 /// files its index names, else every `.safetensors` file); (0, 0) where
 /// the set does not open: the load reports why.
 fn weight_and_table_bytes(dir: &Path) -> (u64, u64) {
@@ -104,14 +108,20 @@ fn weight_and_table_bytes(dir: &Path) -> (u64, u64) {
 /// per-layer table, under any prefix.
 const TABLE_MODULES: [&str; 2] = ["embed_tokens", "embed_tokens_per_layer"];
 
-/// Whether `key` (`{prefix}{module}.{weight|scales|biases}`) is a tensor of
-/// an embedding table.
+/// The parent of a mixture of experts' stacked projections, which
+/// [`MemoryMode::MappedTables`] leaves in the files as well.
+const EXPERTS_MODULE: &str = "switch_mlp";
+
+/// Whether `key` (`{prefix}{module}.{weight|scales|biases}`) is a tensor
+/// that [`MemoryMode::MappedTables`] leaves in the files: an embedding
+/// table's, or a stack of experts'.
 fn is_table_key(key: &str) -> bool {
     let Some((module, _)) = key.rsplit_once('.') else {
         return false;
     };
-    let name = module.rsplit('.').next().unwrap_or(module);
-    TABLE_MODULES.contains(&name)
+    let mut names = module.rsplit('.');
+    let name = names.next().unwrap_or(module);
+    TABLE_MODULES.contains(&name) || names.next() == Some(EXPERTS_MODULE)
 }
 
 #[cfg(test)]
@@ -151,6 +161,8 @@ mod tests {
             "model.embed_tokens.scales",
             "language_model.model.embed_tokens.biases",
             "model.language_model.embed_tokens_per_layer.weight",
+            "model.layers.3.mlp.switch_mlp.down_proj.weight",
+            "model.layers.0.block_sparse_moe.switch_mlp.gate_proj.scales",
         ] {
             assert!(is_table_key(key), "{key}");
         }
@@ -160,6 +172,8 @@ mod tests {
             "model.per_layer_model_projection.weight",
             "model.embed_tokens_norm.weight",
             "embed_tokens",
+            "model.layers.0.mlp.gate.weight",
+            "switch_mlp.weight",
         ] {
             assert!(!is_table_key(key), "{key}");
         }

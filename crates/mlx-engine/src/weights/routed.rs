@@ -84,6 +84,8 @@ pub(crate) enum ExpertStack {
 
 /// Where a [`ExpertStack::Chosen`] stack takes its experts from.
 pub(crate) struct ChosenSource {
+    /// Bytes of one expert's matrix unpacked to f32.
+    unpacked_bytes: usize,
     weight: StackPart,
     /// The scales, biases and quantization of a packed stack.
     packing: Option<(StackPart, StackPart, Quantization)>,
@@ -101,6 +103,35 @@ impl ExpertStack {
     /// Whether a forward must know the distinct chosen experts first.
     pub(crate) fn takes_chosen(&self) -> bool {
         matches!(self, ExpertStack::Chosen(_))
+    }
+
+    /// Bytes of one expert's matrix as a forward takes it (unpacked to
+    /// f32, or read dense); 0 for a whole stack, which takes nothing.
+    pub(crate) fn taken_bytes_per_expert(&self) -> usize {
+        match self {
+            ExpertStack::Chosen(source) => source.unpacked_bytes,
+            ExpertStack::Whole(_) => 0,
+        }
+    }
+
+    /// A stack in memory taken per forward (unpacked when `packing` is
+    /// given and `unpack`), for tests of how forwards take experts.
+    #[cfg(test)]
+    pub(crate) fn chosen_in_memory(
+        weight: Array,
+        packing: Option<(Array, Array, Quantization)>,
+        unpack: bool,
+    ) -> ExpertStack {
+        let inputs = match &packing {
+            Some((_, _, q)) => weight.dim(2) as usize * 32 / q.bits as usize,
+            None => weight.dim(2) as usize,
+        };
+        ExpertStack::Chosen(ChosenSource {
+            unpacked_bytes: weight.dim(1) as usize * inputs * 4,
+            weight: StackPart::Memory(weight),
+            packing: packing.map(|(s, b, q)| (StackPart::Memory(s), StackPart::Memory(b), q)),
+            unpack,
+        })
     }
 }
 
@@ -185,6 +216,7 @@ impl Weights<'_> {
             None => None,
         };
         let source = ChosenSource {
+            unpacked_bytes: out * inputs * 4,
             weight,
             packing,
             unpack: self.mode != QuantizedWeights::Keep,
