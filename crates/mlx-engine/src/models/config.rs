@@ -139,16 +139,6 @@ impl ModelConfig {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
-
-    /// Whether q/k/v projections carry biases (qwen2).
-    pub fn attention_bias(&self) -> bool {
-        self.model_type == "qwen2"
-    }
-
-    /// Whether queries and keys are RMS-normalised per head (qwen3).
-    pub fn qk_norm(&self) -> bool {
-        matches!(self.model_type.as_str(), "qwen3" | "qwen3_moe")
-    }
 }
 
 /// A family's own settings (Gemma's layer types, windows, per-layer

@@ -50,6 +50,15 @@ enum Mlp {
     Experts(Box<Experts>),
 }
 
+/// What the llama family's members differ in.
+#[derive(Debug, Clone)]
+struct LlamaSettings {
+    /// Queries and keys RMS-normalised per head (qwen3, qwen3_moe).
+    qk_norm: bool,
+    /// The mixtures of experts' (qwen3_moe, mixtral).
+    moe: Option<MoeSettings>,
+}
+
 /// The mixture of experts' fields of `config.json`: qwen3_moe's as mlx_lm's
 /// `ModelArgs` names them; mixtral's are read into the same (see
 /// [`MoeSettings::mixtral`]).
@@ -180,8 +189,9 @@ impl Layer {
         let inter = config.intermediate_size;
         let p = layers_path().join(i);
         let (attn, mlp) = (p.join("self_attn"), p.join("mlp"));
+        let settings = config.settings::<LlamaSettings>();
         let qk_norm = |name: &str| -> Result<Option<Array>> {
-            if config.qk_norm() {
+            if settings.is_some_and(|s| s.qk_norm) {
                 Ok(Some(w.vector(&attn.join(name).join("weight"), hd)?))
             } else {
                 Ok(None)
@@ -194,7 +204,7 @@ impl Layer {
             o: w.linear(&attn.join("o_proj"), heads * hd, hidden)?,
             q_norm: qk_norm("q_norm")?,
             k_norm: qk_norm("k_norm")?,
-            mlp: match config.settings::<MoeSettings>() {
+            mlp: match settings.and_then(|s| s.moe.as_ref()) {
                 Some(moe) if moe.sparse(i) => {
                     let block = p.join(moe.block());
                     Mlp::Experts(Box::new(load_experts(w, &block, hidden, moe)?))
@@ -223,14 +233,22 @@ pub(crate) const FAMILY: Family = Family {
         Ok(fields)
     },
     settings: |raw, _, config| {
-        let parsed = match config.model_type.as_str() {
-            "qwen3_moe" => serde_json::from_value(raw.clone()),
-            "mixtral" => serde_json::from_value(raw.clone()).map(MoeSettings::mixtral),
-            _ => return Ok(None),
+        let model_type = config.model_type.as_str();
+        let parsed = match model_type {
+            "qwen3_moe" => serde_json::from_value(raw.clone()).map(Some),
+            "mixtral" => serde_json::from_value(raw.clone()).map(|f| Some(MoeSettings::mixtral(f))),
+            _ => Ok(None),
         };
-        let moe: MoeSettings = parsed.map_err(|e| e.to_string())?;
-        moe.check()?;
-        Ok(Some(FamilySettings::new(moe)))
+        let moe: Option<MoeSettings> = parsed.map_err(|e| e.to_string())?;
+        if let Some(moe) = &moe {
+            moe.check()?;
+        }
+        Ok(Some(FamilySettings::new(LlamaSettings {
+            // qwen3's per-head norms of queries and keys (q/k/v biases,
+            // qwen2's, are found by their weights).
+            qk_norm: matches!(model_type, "qwen3" | "qwen3_moe"),
+            moe,
+        })))
     },
     layers_prefix: |_, _| Ok(layers_path()),
     can_cut_before: |_, _| true,

@@ -82,8 +82,8 @@ impl ModelConfig {
 }
 pub use crate::weights::QuantizedWeights;
 
-/// A loaded decoder model: llama, mistral, qwen2, qwen3, Gemma 3 or
-/// Gemma 4 (text).
+/// A loaded decoder model: llama, mistral, qwen2, qwen3, qwen3_moe,
+/// mixtral, Gemma 3 or Gemma 4 (text).
 pub struct Model {
     config: ModelConfig,
     decoder: Box<dyn Decoder>,
