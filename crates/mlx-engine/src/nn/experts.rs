@@ -88,14 +88,19 @@ impl Experts {
             .iter()
             .map(ExpertStack::taken_bytes_per_expert)
             .sum();
-        // Nothing taken per forward (`per_expert` 0): no groups.
-        if let Some(at_once) = self.taken_at_once.checked_div(per_expert) {
-            let at_once = at_once.max(1);
-            let (ids, distinct) = chosen_ids(chosen)?;
-            if distinct.len() > at_once {
-                return self.switch_glu_in_groups(x, chosen, &ids, &distinct, at_once);
+        // The routing read once, where a stack takes its experts per
+        // forward (`per_expert` above 0); else no groups, nothing taken.
+        let read = match self.taken_at_once.checked_div(per_expert) {
+            Some(at_once) => {
+                let at_once = at_once.max(1);
+                let (ids, distinct) = chosen_ids(chosen)?;
+                if distinct.len() > at_once {
+                    return self.switch_glu_in_groups(x, chosen, &ids, &distinct, at_once);
+                }
+                Some((ids, distinct))
             }
-        }
+            None => None,
+        };
         let (b, l, k) = (chosen.dim(0), chosen.dim(1), chosen.dim(2));
         let hidden = x.dim(-1);
         let rows = expand_dims_axes(x, &[-2, -3])?; // (B, L, 1, 1, hidden)
@@ -121,12 +126,12 @@ impl Experts {
         // A stack that takes its experts per forward multiplies the
         // distinct chosen ones, each taken once; the choices renumbered
         // among them keep their order, so sorting sorts both alike.
-        let taken = match self.stacks.iter().any(ExpertStack::takes_chosen) {
-            true => {
-                let (distinct, local) = renumbered(chosen)?;
+        let taken = match read {
+            Some((ids, distinct)) => {
+                let local = renumbered_ids(&ids, &distinct, chosen.shape());
                 Some((distinct, arranged(&local)?))
             }
-            false => None,
+            None => None,
         };
         let product = |stack: &ExpertStack, a: &Array| -> Result<Array> {
             match (stack, &taken) {
@@ -304,11 +309,17 @@ fn chosen_ids(chosen: &Array) -> Result<(Vec<u32>, Vec<usize>)> {
 /// as places among them. Reads the routing: it is computed here.
 fn renumbered(chosen: &Array) -> Result<(Vec<usize>, Array)> {
     let (ids, distinct) = chosen_ids(chosen)?;
+    let local = renumbered_ids(&ids, &distinct, chosen.shape());
+    Ok((distinct, local))
+}
+
+/// Choices `ids` as places among `distinct`, laid out as `shape`.
+fn renumbered_ids(ids: &[u32], distinct: &[usize], shape: &[i32]) -> Array {
     let local: Vec<u32> = ids
         .iter()
         .map(|&e| distinct.partition_point(|&d| d < e as usize) as u32)
         .collect();
-    Ok((distinct, Array::from_slice(&local, chosen.shape())))
+    Array::from_slice(&local, shape)
 }
 
 #[cfg(test)]

@@ -100,11 +100,6 @@ enum StackPart {
 }
 
 impl ExpertStack {
-    /// Whether a forward must know the distinct chosen experts first.
-    pub(crate) fn takes_chosen(&self) -> bool {
-        matches!(self, ExpertStack::Chosen(_))
-    }
-
     /// Bytes of one expert's matrix as a forward takes it (unpacked to
     /// f32, or read dense); 0 for a whole stack, which takes nothing.
     pub(crate) fn taken_bytes_per_expert(&self) -> usize {
