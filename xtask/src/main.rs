@@ -6,6 +6,7 @@
 //! - `encode-adapter`, `decode-adapter`, `adapter-info`: the adapter codec.
 //! - `fixtures`, `import-gguf`: the real model (SmolLM2) for tests and demo.
 //! - `release --dry-run`, `release VERSION`: release checks and version bumps.
+//! - `python-face`: build the Python package into a Python 3.13 venv.
 //! - `prereqs`: install what the MLX build needs and do nothing else.
 //!
 //! Every command first makes sure the machine has what the MLX build needs,
@@ -16,6 +17,7 @@ mod distributed_bench;
 mod fixtures;
 mod memory_limit;
 mod prereqs;
+mod python_face;
 mod release;
 
 use std::path::{Path, PathBuf};
@@ -50,6 +52,10 @@ enum Cmd {
     },
     /// Formatting, lints and every test in the workspace (what CI runs).
     Test,
+    /// Build the Python package (crates/mlx-lowmem-py) and install it into
+    /// target/face-venv, a Python 3.13 with cc-sentiment and spawnllm; prints
+    /// that venv's python.
+    PythonFace,
     /// Run the benchmarks (all by default). Arguments after the name go to
     /// that benchmark.
     Bench {
@@ -287,11 +293,23 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::DecodeAdapter { zst, dst } => adapter::decode(&here(&zst), &here(&dst)),
         Cmd::AdapterInfo { zst } => adapter::info(&here(&zst)),
+        Cmd::PythonFace => {
+            prereqs::ensure()?;
+            let face = python_face::face_python()
+                .context("no Python 3.13 environment could be made (see the warnings above)")?;
+            python_face::build_and_install(&face, &[&face])?;
+            println!("{}", face.display());
+            Ok(())
+        }
         Cmd::Test => {
             prereqs::ensure()?;
             if let Some(python) = prereqs::interop_python() {
                 // Read by the interop tests (they fall back to `python3`).
                 std::env::set_var(INTEROP_PYTHON_VAR, python);
+            }
+            if let Some(python) = python_face::face_python() {
+                // Read by the tests that run cc-sentiment's own code on it.
+                std::env::set_var(python_face::FACE_PYTHON_VAR, python);
             }
             fast_blas();
             // The real model; tests that need it skip, saying so, without it.
@@ -485,6 +503,7 @@ fn test() -> Result<()> {
     )?;
     docs_without_warnings()?;
     examples()?;
+    python_face()?;
     if has_nextest() {
         cargo(
             &[
@@ -509,6 +528,25 @@ fn test() -> Result<()> {
             ],
             &[],
         )?;
+    }
+    Ok(())
+}
+
+/// Builds the Python face's wheel, installs it into the face venv (Python
+/// 3.13) and the interop venv (an older Python: the wheel is abi3), and
+/// runs its Python tests under both. Skips, saying so, without the face
+/// venv.
+fn python_face() -> Result<()> {
+    let Some(face) = std::env::var_os(python_face::FACE_PYTHON_VAR).map(PathBuf::from) else {
+        eprintln!("xtask: SKIP the Python face's build and tests: no Python 3.13 environment");
+        return Ok(());
+    };
+    let interop = std::env::var_os(INTEROP_PYTHON_VAR).map(PathBuf::from);
+    let mut pythons = vec![face.as_path()];
+    pythons.extend(interop.as_deref());
+    python_face::build_and_install(&face, &pythons)?;
+    for python in pythons {
+        python_face::unit_tests(python)?;
     }
     Ok(())
 }

@@ -237,7 +237,7 @@ pub fn interop_python() -> Option<std::path::PathBuf> {
 }
 
 /// The BLAS our MLX build links (see crates/mlx-sys/build/plan.rs).
-fn interop_blas() -> &'static str {
+pub fn interop_blas() -> &'static str {
     let forced_reference = std::env::var("MLX_BLAS").is_ok_and(|v| v.trim() == "reference");
     if openblas_present() && !forced_reference {
         "openblas"
@@ -249,7 +249,7 @@ fn interop_blas() -> &'static str {
 /// Points the venv's bundled BLAS/LAPACK (its MLX's and the newer MLX's
 /// beside it) at Debian's OpenBLAS, as the mlx-sys build script does for
 /// our own MLX.
-fn swap_venv_blas(venv: &Path) {
+pub fn swap_venv_blas(venv: &Path) {
     let mut dirs = vec![venv.join(NEWER_MLX.1).join("mlx_cpu.libs")];
     if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
         dirs.extend(
@@ -306,6 +306,6 @@ pub fn actionlint() -> Result<std::path::PathBuf> {
 
 /// `path` made absolute without resolving symlinks: a venv's `python3` is a
 /// symlink to the base interpreter, and following it would leave the venv.
-fn absolute(path: &Path) -> Option<std::path::PathBuf> {
+pub fn absolute(path: &Path) -> Option<std::path::PathBuf> {
     std::env::current_dir().ok().map(|d| d.join(path))
 }

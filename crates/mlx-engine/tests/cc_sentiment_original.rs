@@ -30,15 +30,21 @@
 //! - With the clean prefix they equal mlx_lm 0.32.2's `batch_generate` on
 //!   copies of the prefix's own cache (run live).
 //!
+//! - cc-sentiment's own code on our Python face: the same script, with
+//!   `spawnllm.mlx` resolving to `mlx_lowmem` (the wheel of
+//!   `crates/mlx-lowmem-py`, in the Python 3.13 environment `cargo xtask
+//!   test` makes and names in `MLX_LOWMEM_FACE_PYTHON`), gives the kept
+//!   labels, prefix and cache length with its defaults.
+//!
 //! Skips, saying so, without the system prompt (`cargo xtask fixtures`) or
-//! the interop Python.
+//! the interop Python (or, for the last, the face's Python).
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
 use common::gemma_words::{label_ids, mlx_lm_labels, user_content, write_tokenizer};
-use common::logits::{run_script, write_request, Only};
+use common::logits::{run_script, run_script_with, write_request, Only};
 use common::tiny_gemma::{write_gemma4_with, Layout};
 use mlx_engine::{
     EngineConfig, GenerateOptions, LogitsProcessor, Message, MlxEngine, PrefixCache,
@@ -185,26 +191,39 @@ fn engine_labels(
     texts.iter().map(|t| t.trim().to_owned()).collect()
 }
 
-#[test]
-fn labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without() {
-    let test = "labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without";
-    let Some(fixture) = std::env::var_os("MLX_LOWMEM_CC_SENTIMENT").map(PathBuf::from) else {
-        eprintln!("SKIP {test}: MLX_LOWMEM_CC_SENTIMENT is not set (cargo xtask fixtures fetches cc-sentiment's system prompt)");
-        return;
-    };
-    let Some(python) = python_with(test, "mlx_lm") else {
-        return;
-    };
-    let system = std::fs::read_to_string(fixture.join("system_prompt.txt")).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let dir = dir.path();
-    let mut texts: Vec<&str> = vec![system.as_str(), "CONVERSATION: DEVELOPER: AI:"];
+/// The checkpoint the kept labels were computed on, written into `dir`;
+/// returns its vocabulary size.
+fn write_checkpoint(dir: &Path, system: &str) -> i32 {
+    let mut texts: Vec<&str> = vec![system, "CONVERSATION: DEVELOPER: AI:"];
     texts.extend(TEXTS);
     let words = words_of(&texts);
     let vocab = write_tokenizer(dir, words.clone());
     write_gemma4_with(dir, Layout::Text, true, Dtype::Bfloat16, vocab);
     // The writer puts its own tokenizer beside the weights: ours again.
     write_tokenizer(dir, words);
+    vocab
+}
+
+fn system_prompt(test: &str) -> Option<String> {
+    let Some(fixture) = std::env::var_os("MLX_LOWMEM_CC_SENTIMENT").map(PathBuf::from) else {
+        eprintln!("SKIP {test}: MLX_LOWMEM_CC_SENTIMENT is not set (cargo xtask fixtures fetches cc-sentiment's system prompt)");
+        return None;
+    };
+    Some(std::fs::read_to_string(fixture.join("system_prompt.txt")).unwrap())
+}
+
+#[test]
+fn labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without() {
+    let test = "labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without";
+    let Some(system) = system_prompt(test) else {
+        return;
+    };
+    let Some(python) = python_with(test, "mlx_lm") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let vocab = write_checkpoint(dir, &system);
     let allowed = label_ids();
 
     let original = original_labels(dir, &inputs(dir, &system));
@@ -228,4 +247,43 @@ fn labels_equal_the_originals_with_its_prefix_cache_and_mlx_lms_without() {
         "{moved} of {} labels differ between the two prefix caches",
         TEXTS.len()
     );
+}
+
+#[test]
+fn cc_sentiments_own_code_on_the_python_face_gives_the_originals_labels() {
+    let test = "cc_sentiments_own_code_on_the_python_face_gives_the_originals_labels";
+    let Some(system) = system_prompt(test) else {
+        return;
+    };
+    let Ok(python) = std::env::var("MLX_LOWMEM_FACE_PYTHON") else {
+        eprintln!("SKIP {test}: MLX_LOWMEM_FACE_PYTHON is not set (cargo xtask test makes that Python 3.13 environment)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    write_checkpoint(dir, &system);
+    let original = original_labels(dir, &inputs(dir, &system));
+    let kept: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(kept_path()).unwrap()).unwrap();
+
+    let request = write_request(dir, &json!({"texts": TEXTS}));
+    let ours = run_script_with(
+        &python,
+        "spawnllm_labels.py",
+        dir,
+        &request,
+        &["--through-mlx-lowmem"],
+    );
+    assert_eq!(
+        ours["engine"], "mlx_lowmem._engine",
+        "the alias took effect"
+    );
+    let labels: Vec<String> = serde_json::from_value(ours["labels"].clone()).unwrap();
+    assert_eq!(
+        labels, original,
+        "cc-sentiment on mlx_lowmem vs on spawnllm"
+    );
+    assert_eq!(ours["prefix_tokens"], kept["prefix_tokens"]);
+    // `base_cache` is mlx_lm's, built as the original builds it.
+    assert_eq!(ours["cache_offset"], kept["cache_offset"]);
 }

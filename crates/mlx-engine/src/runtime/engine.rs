@@ -36,6 +36,12 @@ impl Worker {
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
+
+    /// The shared prefix's token ids (the prefix messages rendered without
+    /// a generation prompt); empty without prefix messages.
+    pub fn prefix_tokens(&self) -> &[u32] {
+        self.state.prefix_tokens()
+    }
 }
 
 impl std::fmt::Debug for Worker {

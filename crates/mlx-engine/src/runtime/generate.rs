@@ -51,6 +51,11 @@ pub(crate) struct GenSettings {
 }
 
 impl GenState {
+    /// The shared prefix's token ids.
+    pub(crate) fn prefix_tokens(&self) -> &[u32] {
+        &self.prefix_tokens
+    }
+
     /// Renders the prefix messages (no generation prompt) and runs them once.
     pub(crate) fn new(
         model: &Model,

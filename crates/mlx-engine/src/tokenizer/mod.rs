@@ -46,6 +46,7 @@ impl Message {
 /// `tokenizer.json` through the `tokenizers` crate, the chat template from
 /// `tokenizer_config.json` or `chat_template.jinja` through minijinja, and
 /// the end-of-sequence ids from the configs.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The same vocabulary reading special-token strings as plain text,
@@ -148,6 +149,45 @@ impl Tokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| Error::Template(e.to_string()))
+    }
+
+    /// Token ids of `text` as Hugging Face's `encode(text,
+    /// add_special_tokens=…)` gives them: with `add_special_tokens`, what
+    /// the tokenizer's post-processor adds (e.g. a beginning-of-sequence
+    /// token).
+    pub fn encode_with_special_tokens(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::Template(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Text of `ids` as Hugging Face's `decode(ids,
+    /// skip_special_tokens=…)` gives it.
+    pub fn decode_with_special_tokens(
+        &self,
+        ids: &[u32],
+        skip_special_tokens: bool,
+    ) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::Template(e.to_string()))
+    }
+
+    /// Ids in the vocabulary, with or without the added tokens (Hugging
+    /// Face's `len(tokenizer)` and `tokenizer.vocab_size`).
+    pub fn vocab_size(&self, with_added_tokens: bool) -> usize {
+        self.inner.get_vocab_size(with_added_tokens)
+    }
+
+    /// The end-of-sequence token's text as the tokenizer config names it.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos.as_deref()
     }
 
     /// The id of a token's text, if it is one token.

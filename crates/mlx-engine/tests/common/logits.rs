@@ -17,7 +17,7 @@ pub fn run_parity_script(
     dir: &Path,
     request: &Path,
 ) -> serde_json::Value {
-    let reference = run_script_on(python, script, dir, request, false);
+    let reference = run_script_on(python, script, dir, request, false, &[]);
     assert_eq!(
         reference["version"], "0.32.2",
         "the reference must be mlx_lm 0.32.2 (cargo xtask test installs it beside the venv)"
@@ -48,7 +48,7 @@ pub fn run_parity_script_newer_mlx(
     dir: &Path,
     request: &Path,
 ) -> serde_json::Value {
-    let reference = run_script_on(python, script, dir, request, true);
+    let reference = run_script_on(python, script, dir, request, true, &[]);
     assert_eq!(reference["version"], "0.32.2");
     assert_eq!(reference["mlx"], "0.32.4", "the reference's MLX");
     reference
@@ -57,7 +57,19 @@ pub fn run_parity_script_newer_mlx(
 /// Runs `tests/parity/<script> DIR REQUEST` with `python` and returns the
 /// JSON it prints.
 pub fn run_script(python: &str, script: &str, dir: &Path, request: &Path) -> serde_json::Value {
-    run_script_on(python, script, dir, request, false)
+    run_script_on(python, script, dir, request, false, &[])
+}
+
+/// [`run_script`] with more arguments after the request.
+#[allow(dead_code)]
+pub fn run_script_with(
+    python: &str,
+    script: &str,
+    dir: &Path,
+    request: &Path,
+    args: &[&str],
+) -> serde_json::Value {
+    run_script_on(python, script, dir, request, false, args)
 }
 
 fn run_script_on(
@@ -66,12 +78,13 @@ fn run_script_on(
     dir: &Path,
     request: &Path,
     newer_mlx: bool,
+    args: &[&str],
 ) -> serde_json::Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/parity")
         .join(script);
     let mut command = Command::new(python);
-    command.arg(&script).arg(dir).arg(request);
+    command.arg(&script).arg(dir).arg(request).args(args);
     if newer_mlx {
         // The child's environment only: the scripts put MLX 0.32.4 first.
         command.env("MLX_LOWMEM_NEWER_MLX", "1");

@@ -2,7 +2,12 @@
 `SentimentClassifier` on spawnllm 0.17.1 + mlx-lm 0.31.3 + mlx 0.32.2 (CPU),
 for the engine's test that keeps them (tests/data/cc_sentiment_original.json).
 
-Usage: spawnllm_labels.py MODEL_DIR REQUEST_JSON
+Usage: spawnllm_labels.py MODEL_DIR REQUEST_JSON [--through-mlx-lowmem]
+
+With `--through-mlx-lowmem`, `spawnllm.mlx` resolves to our Python face
+(`mlx_lowmem`, a `sys.modules` alias made before cc-sentiment is imported;
+the rest of spawnllm stays the installed one, which cc-sentiment's other
+engines import): the application's own code, unchanged, on our engine.
 
 REQUEST_JSON: {"texts": [...]}. Each text becomes one conversation as the
 application builds it (`build_prefix_messages()` + a user message of
@@ -25,6 +30,14 @@ import platform
 import sys
 from importlib.metadata import version
 from pathlib import Path
+
+THROUGH_OURS = "--through-mlx-lowmem" in sys.argv[3:]
+if THROUGH_OURS:
+    import spawnllm
+    import mlx_lowmem
+
+    sys.modules["spawnllm.mlx"] = mlx_lowmem
+    spawnllm.mlx = mlx_lowmem
 
 # Everything the classifier's module imports, imported on the real
 # platform first (spawnllm and the standard library pick modules by it).
@@ -70,9 +83,11 @@ async def main():
                 "labels": [str(int(extract_score(a))) for a in answers],
                 "prefix_tokens": len(classifier.prefix_tokens),
                 "cache_offset": int(classifier.base_cache[0].offset),
+                "engine": type(classifier._engine).__module__,
                 "versions": {
                     p: version(p)
                     for p in ["spawnllm", "mlx-lm", "mlx", "cc-sentiment"]
+                    + (["mlx-lowmem"] if THROUGH_OURS else [])
                 },
             }
         )

@@ -1,0 +1,220 @@
+"""`MlxEngine`: spawnllm's engine API over the Rust engine."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from mlx_lowmem import _native
+from mlx_lowmem._errors import NotLoadedError, NotOfferedError
+
+R = TypeVar("R")
+
+
+async def _in_thread(function: Callable[..., R], *args: Any) -> R:
+    """Runs a blocking native call (which releases the GIL) off the event loop."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: e.g. anyio on trio
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(functools.partial(function, *args))
+    return await loop.run_in_executor(None, functools.partial(function, *args))
+
+
+class MlxEngine:
+    """Batched generation on a worker thread that owns MLX: spawnllm's
+    `spawnllm.mlx.MlxEngine`, with the same arguments and methods.
+
+    The constructor returns at once; the worker loads the model from
+    `fused_dir`, calls `logits_processor_factory(tokenizer)` and computes the
+    prefix messages' cache. `await ensure_loaded()` raises the load's error.
+
+    By default the engine answers as the original does: the prefix's cache
+    also holds the token generated after the prefix (``prefix_cache=
+    "with_generated_token"``), and quantized weights are multiplied packed,
+    as mlx_lm does (``quantized="keep"``). Keyword options beyond the
+    original's:
+
+    - ``memory``: where weights live — ``"resident"``, ``"mapped_tables"``
+      (embedding tables left in the files; the default for a model that
+      has them) or ``"streamed"`` (each layer read for its turn).
+    - ``quantized="dequantize_on_use"``: unpack quantized weights per
+      product (much faster on a CPU; answers may then differ from mlx_lm's
+      in the last bits of the logits).
+    - ``prefix_cache="clean"``: the prefix's tokens only.
+    - ``lanes``: chunks run side by side; ``max_prompt_tokens``.
+
+    Example::
+
+        engine = MlxEngine(
+            fused_dir,
+            logits_processor_factory=lambda tokenizer: None or my_processor,
+            prefix_messages=[{"role": "system", "content": "Rate from 1 to 5."}],
+            batch_size=8,
+        )
+        await engine.ensure_loaded()
+        texts = await engine.generate(conversations, lambda n: None)
+        await engine.close()
+    """
+
+    def __init__(
+        self,
+        fused_dir: str | Path,
+        *,
+        logits_processor_factory: Callable[[Any], Callable[..., Any]] | None,
+        prefix_messages: list[dict[str, str]],
+        batch_size: int,
+        worker_name: str = "mlx",
+        memory: str | None = None,
+        quantized: str | None = "keep",
+        prefix_cache: str = "with_generated_token",
+        lanes: int | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        self._fused_dir = Path(fused_dir)
+        self._prefix_messages = prefix_messages
+        self._native = _native.Engine(
+            str(fused_dir),
+            logits_processor_factory=logits_processor_factory,
+            prefix_messages=prefix_messages,
+            batch_size=batch_size,
+            worker_name=worker_name,
+            memory=memory,
+            quantized=quantized,
+            prefix_cache=prefix_cache,
+            lanes=lanes,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+        self._loaded = False
+        self._tokenizer: Any = None
+        self._prefix_tokens: list[int] = []
+        self._mlx_lm_model: Any = None
+        self._mlx_lm_tokenizer: Any = None
+        self._mlx_lm_cache: Any = None
+
+    async def ensure_loaded(self) -> None:
+        """Waits for the load; raises its error (every time it is awaited)."""
+        await _in_thread(self._native.wait_loaded)
+        if not self._loaded:
+            # Kept, as the original keeps its attributes: they stay readable
+            # after close().
+            self._tokenizer = await _in_thread(self._native.tokenizer)
+            self._prefix_tokens = await _in_thread(self._native.prefix_tokens)
+            self._loaded = True
+
+    async def submit(self, fn: Callable[..., R], *args: Any) -> R:
+        """Runs ``fn(*args)`` on the worker thread, between generations, and
+        returns its result (its exception propagates). ``fn`` runs with the
+        GIL taken on that thread; it does not receive the model (see
+        ``model`` for what is offered)."""
+        return await _in_thread(self._native.submit, fn, args)
+
+    async def generate(
+        self,
+        message_lists: list[list[dict[str, str]]],
+        on_progress: Callable[[int], None],
+        *,
+        max_tokens: int = 1,
+    ) -> list[str]:
+        """One completion per conversation (greedy, `max_tokens` at most,
+        default one token), in the order given. Each conversation starts
+        with the engine's prefix messages. `on_progress(n)` is called on the
+        event loop's thread after each batch with the number it answered."""
+        loop = asyncio.get_running_loop()
+
+        def progress(done: int) -> None:
+            loop.call_soon_threadsafe(on_progress, done)
+
+        return await _in_thread(self._native.generate, message_lists, max_tokens, progress)
+
+    def peak_memory_gb(self) -> float:
+        """The process's peak resident set size in GiB, from the OS (the
+        original divides `ru_maxrss` by 1024³, which is right on macOS and
+        1024× too small on Linux, where it counts KiB)."""
+        peak = self._native.peak_memory_bytes()
+        return 0.0 if peak is None else peak / 1024**3
+
+    def mlx_peak_memory_gb(self) -> float:
+        """MLX's own peak memory in GiB (its allocator's high-water mark)."""
+        return self._native.mlx_peak_memory_bytes() / 1024**3
+
+    async def close(self) -> None:
+        """Lets queued work finish, then stops the worker; later calls raise
+        `EngineClosedError`."""
+        await _in_thread(self._native.close)
+
+    def _require_loaded(self, name: str) -> None:
+        if not self._loaded:
+            raise NotLoadedError(f"MlxEngine.{name} exists once the model is loaded: await ensure_loaded() first")
+
+    @property
+    def tokenizer(self) -> _native.Tokenizer:
+        """The model's tokenizer (the object the logits processor factory
+        received): `encode`, `decode`, `eos_token_id`, `vocab_size`,
+        `apply_chat_template` as mlx_lm's `TokenizerWrapper` offers them."""
+        self._require_loaded("tokenizer")
+        return self._tokenizer
+
+    @property
+    def logit_processor(self) -> Callable[..., Any] | None:
+        """What the logits processor factory returned."""
+        self._require_loaded("logit_processor")
+        return self._native.logits_processor()
+
+    @property
+    def prefix_messages(self) -> list[dict[str, str]]:
+        """The messages every conversation starts with."""
+        return self._prefix_messages
+
+    @property
+    def prefix_tokens(self) -> list[int]:
+        """The prefix messages' token ids (chat template, no generation prompt)."""
+        self._require_loaded("prefix_tokens")
+        return list(self._prefix_tokens)
+
+    @property
+    def model(self) -> Any:
+        """mlx_lm's model of the same folder, loaded on first use, for code
+        that hands it to mlx_lm (e.g. `mlx_lm.batch_generate`). The engine's
+        own model is Rust and not an `mlx.nn.Module`; this one is a second
+        copy of the weights in memory. Needs `mlx_lm` (the `mlx` extra)."""
+        self._require_loaded("model")
+        if self._mlx_lm_model is None:
+            mlx_lm = self._mlx_lm("model")
+            self._mlx_lm_model, self._mlx_lm_tokenizer = mlx_lm.load(str(self._fused_dir))
+        return self._mlx_lm_model
+
+    @property
+    def base_cache(self) -> list[Any]:
+        """The prefix's cache as the original builds it, made with mlx_lm
+        from `model` on first use (mlx_lm's cache objects, not the engine's,
+        which lives in Rust). Needs `mlx_lm` (the `mlx` extra)."""
+        self._require_loaded("base_cache")
+        if self._mlx_lm_cache is None:
+            mlx_lm = self._mlx_lm("base_cache")
+            processor = self._native.logits_processor()
+            model = self.model
+            self._mlx_lm_cache = mlx_lm.batch_generate(
+                model,
+                self._mlx_lm_tokenizer,
+                [self.prefix_tokens],
+                max_tokens=1,
+                logits_processors=[processor] if processor is not None else None,
+                return_prompt_caches=True,
+            ).caches[0]
+        return self._mlx_lm_cache
+
+    @staticmethod
+    def _mlx_lm(name: str) -> Any:
+        try:
+            import mlx_lm
+        except ImportError as e:
+            raise NotOfferedError(
+                f"MlxEngine.{name}: the engine's model is Rust, not an mlx.nn.Module; "
+                f"install mlx-lm (pip install 'mlx-lowmem[mlx]') to get mlx_lm's own {name} "
+                "of the same folder, or use generate() / submit()"
+            ) from e
+        return mlx_lm

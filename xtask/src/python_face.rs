@@ -1,0 +1,167 @@
+//! The Python face (`crates/mlx-lowmem-py`) in the test command: a Python
+//! 3.13 environment with cc-sentiment and the Python originals, our wheel
+//! built with maturin and installed into it and into the interop venv, and
+//! the package's own Python tests.
+//!
+//! Python 3.13 is what cc-sentiment 0.2.135 and spawnllm 0.17.1 require.
+//! Without one (or without the registry), the Python face's tests say that
+//! they skip and everything else goes on.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+use crate::prereqs;
+
+/// Names the Python 3.13 that has our wheel, cc-sentiment and spawnllm.
+pub const FACE_PYTHON_VAR: &str = "MLX_LOWMEM_FACE_PYTHON";
+
+/// What the face venv holds besides our wheel: the application's own code
+/// and what its classifier imports, the original it replaces (spawnllm with
+/// its adapter extra, on the mlx-lm it runs on), maturin to build ours.
+const FACE_PACKAGES: &[&str] = &[
+    "spawnllm[mlx]==0.17.1",
+    "mlx[cpu]==0.32.2",
+    "mlx-lm==0.31.3",
+    "cc-transcript>=14,<15",
+    "pydantic>=2.7",
+    "anyio>=4.4",
+    "maturin==1.16.0",
+];
+
+/// Installed with `--no-deps`: the application as published, without its
+/// terminal UI's dependencies, which the classifier does not import.
+const APPLICATION: &str = "cc-sentiment==0.2.135";
+
+const VENV: &str = "target/face-venv";
+const CRATE: &str = "crates/mlx-lowmem-py";
+
+/// A CPython 3.13 on this machine: `python3.13` on the PATH, else pyenv's.
+fn python313() -> Option<PathBuf> {
+    let works = |p: &Path| {
+        Command::new(p)
+            .args(["-c", "import sys; assert sys.version_info[:2] == (3, 13)"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if works(Path::new("python3.13")) {
+        return Some(PathBuf::from("python3.13"));
+    }
+    let pyenv = std::env::var_os("PYENV_ROOT")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pyenv")))?;
+    let mut found: Vec<PathBuf> = std::fs::read_dir(pyenv.join("versions"))
+        .ok()?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("3.13"))
+        .map(|e| e.path().join("bin/python3"))
+        .collect();
+    found.sort();
+    found.into_iter().rev().find(|p| works(p))
+}
+
+/// The face venv's python, made (or remade when its package list changed).
+pub fn face_python() -> Option<PathBuf> {
+    let venv = Path::new(VENV);
+    let python = venv.join("bin/python3");
+    let stamp = venv.join("installed.txt");
+    let wanted = format!(
+        "{}\n{APPLICATION}\nblas={}",
+        FACE_PACKAGES.join("\n"),
+        prereqs::interop_blas()
+    );
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) && python.exists() {
+        return prereqs::absolute(&python);
+    }
+    let Some(base) = python313() else {
+        eprintln!("xtask: warning: no Python 3.13 (python3.13 or pyenv); the Python face's tests will skip");
+        return None;
+    };
+    eprintln!("xtask: setting up {VENV} with {}", FACE_PACKAGES.join(" "));
+    let pip = |args: &[&str]| {
+        Command::new(&python)
+            .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+            .args(args)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let ok = Command::new(&base)
+        .args(["-m", "venv", "--clear"])
+        .arg(venv)
+        .status()
+        .is_ok_and(|s| s.success())
+        && pip(FACE_PACKAGES)
+        && pip(&["--no-deps", APPLICATION]);
+    if !ok {
+        eprintln!("xtask: warning: could not set up {VENV}; the Python face's tests will skip");
+        return None;
+    }
+    if prereqs::interop_blas() == "openblas" {
+        prereqs::swap_venv_blas(venv);
+    }
+    std::fs::write(&stamp, wanted).ok()?;
+    prereqs::absolute(&python)
+}
+
+/// Builds our wheel (the test profile's artifacts, stripped) with the face
+/// venv's maturin and installs it into `pythons`; returns the wheel.
+pub fn build_and_install(face: &Path, pythons: &[&Path]) -> Result<PathBuf> {
+    let out = Path::new("target/wheels");
+    let _ = std::fs::remove_dir_all(out);
+    eprintln!(
+        "xtask: maturin build {CRATE} (dev profile) into {}",
+        out.display()
+    );
+    let status = Command::new(face.with_file_name("maturin"))
+        .args([
+            "build",
+            "--quiet",
+            "--profile",
+            "dev",
+            "--strip",
+            "--interpreter",
+        ])
+        .arg(face)
+        .args(["--manifest-path", &format!("{CRATE}/Cargo.toml"), "--out"])
+        .arg(out)
+        .status()
+        .context("running maturin")?;
+    if !status.success() {
+        bail!("maturin build failed ({status})");
+    }
+    let wheel = std::fs::read_dir(out)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "whl"))
+        .context("maturin made no wheel")?;
+    for python in pythons {
+        let status = Command::new(python)
+            .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+            .args(["--no-deps", "--force-reinstall"])
+            .arg(&wheel)
+            .status()?;
+        if !status.success() {
+            bail!(
+                "installing {} into {} failed",
+                wheel.display(),
+                python.display()
+            );
+        }
+    }
+    Ok(wheel)
+}
+
+/// The package's Python tests (`crates/mlx-lowmem-py/tests`) under `python`.
+pub fn unit_tests(python: &Path) -> Result<()> {
+    eprintln!("xtask: Python face tests under {}", python.display());
+    let status = Command::new(python)
+        .args(["-m", "unittest", "discover", "-v", "-s"])
+        .arg(format!("{CRATE}/tests"))
+        .status()
+        .context("running the Python face's tests")?;
+    if !status.success() {
+        bail!("the Python face's tests failed under {}", python.display());
+    }
+    Ok(())
+}
