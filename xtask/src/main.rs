@@ -99,11 +99,16 @@ enum Cmd {
         #[arg(long)]
         f32: bool,
     },
-    /// Check publishing (`--dry-run`) or bump the version and changelog.
+    /// Check publishing (`--dry-run`), build the Python wheel (`--wheel`),
+    /// or bump the version and changelog.
     Release {
         /// Report what would stop `cargo publish`, and package each crate.
-        #[arg(long, conflicts_with = "version", required_unless_present = "version")]
+        #[arg(long, conflicts_with = "version", required_unless_present_any = ["version", "wheel"])]
         dry_run: bool,
+        /// Build the Python package's release wheel for this machine (macOS
+        /// arm64 or Linux x86-64) into target/wheels.
+        #[arg(long, conflicts_with_all = ["version", "dry_run"])]
+        wheel: bool,
         /// The new version, e.g. 0.2.0.
         version: Option<String>,
     },
@@ -160,6 +165,9 @@ enum Bench {
     Arithmetic,
     /// The engine across ranks: memory caps, data parallel, ring hops.
     Distributed,
+    /// The Python face: cc-sentiment's classification through it and
+    /// through spawnllm + mlx_lm; what a Python logits processor costs.
+    PythonFace,
 }
 
 fn main() -> std::process::ExitCode {
@@ -283,10 +291,20 @@ fn run(cli: Cli) -> Result<()> {
             prereqs::ensure()?;
             fixtures::import(&here(&src), &here(&dst), f32.then_some("--f32"))
         }
-        Cmd::Release { dry_run, version } => match (dry_run, version) {
-            (true, _) => release::dry_run(),
-            (false, Some(version)) => release::bump(&version),
-            (false, None) => bail!("give --dry-run or a VERSION"),
+        Cmd::Release {
+            dry_run,
+            wheel,
+            version,
+        } => match (dry_run, wheel, version) {
+            (true, _, _) => release::dry_run(),
+            (false, true, _) => {
+                prereqs::ensure()?;
+                let wheel = python_face::release_wheel()?;
+                println!("{}", wheel.display());
+                Ok(())
+            }
+            (false, false, Some(version)) => release::bump(&version),
+            (false, false, None) => bail!("give --dry-run, --wheel or a VERSION"),
         },
         Cmd::EncodeAdapter { src, out, level } => {
             adapter::encode(&here(&src), out.as_deref().map(here).as_deref(), level)
@@ -391,6 +409,17 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
     }
     if all || which == Bench::Distributed {
         distributed_bench::run_all(&fixtures::ensure()?)?;
+    }
+    if all || which == Bench::PythonFace {
+        let face = python_face::face_python()
+            .context("the Python face's bench needs a Python 3.13 environment")?;
+        python_face::build_and_install(&face, &[&face])?;
+        python_face::bench(
+            &face,
+            &fixtures::ensure()?,
+            &fixtures::gemma3()?,
+            if all { &[] } else { args },
+        )?;
     }
     if all || which == Bench::Arithmetic {
         cargo(

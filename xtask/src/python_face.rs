@@ -107,34 +107,7 @@ pub fn face_python() -> Option<PathBuf> {
 /// Builds our wheel (the test profile's artifacts, stripped) with the face
 /// venv's maturin and installs it into `pythons`; returns the wheel.
 pub fn build_and_install(face: &Path, pythons: &[&Path]) -> Result<PathBuf> {
-    let out = Path::new("target/wheels");
-    let _ = std::fs::remove_dir_all(out);
-    eprintln!(
-        "xtask: maturin build {CRATE} (dev profile) into {}",
-        out.display()
-    );
-    let status = Command::new(face.with_file_name("maturin"))
-        .args([
-            "build",
-            "--quiet",
-            "--profile",
-            "dev",
-            "--strip",
-            "--interpreter",
-        ])
-        .arg(face)
-        .args(["--manifest-path", &format!("{CRATE}/Cargo.toml"), "--out"])
-        .arg(out)
-        .status()
-        .context("running maturin")?;
-    if !status.success() {
-        bail!("maturin build failed ({status})");
-    }
-    let wheel = std::fs::read_dir(out)?
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .context("maturin made no wheel")?;
+    let wheel = build_wheel(&face.with_file_name("maturin"), Some(face), "dev")?;
     for python in pythons {
         let status = Command::new(python)
             .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
@@ -152,6 +125,52 @@ pub fn build_and_install(face: &Path, pythons: &[&Path]) -> Result<PathBuf> {
     Ok(wheel)
 }
 
+/// The release wheel for this machine (abi3: one wheel for CPython ≥
+/// 3.10), built with the `maturin` on the PATH, else the face venv's.
+pub fn release_wheel() -> Result<PathBuf> {
+    let on_path = Command::new("maturin")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let maturin = if on_path {
+        PathBuf::from("maturin")
+    } else {
+        face_python()
+            .context("no maturin on the PATH and no Python 3.13 to install it into")?
+            .with_file_name("maturin")
+    };
+    build_wheel(&maturin, None, "release")
+}
+
+/// `maturin build` of the package into target/wheels (emptied first);
+/// returns the wheel.
+fn build_wheel(maturin: &Path, interpreter: Option<&Path>, profile: &str) -> Result<PathBuf> {
+    let out = Path::new("target/wheels");
+    let _ = std::fs::remove_dir_all(out);
+    eprintln!(
+        "xtask: maturin build {CRATE} ({profile} profile) into {}",
+        out.display()
+    );
+    let mut command = Command::new(maturin);
+    command.args(["build", "--quiet", "--profile", profile, "--strip"]);
+    if let Some(python) = interpreter {
+        command.arg("--interpreter").arg(python);
+    }
+    let status = command
+        .args(["--manifest-path", &format!("{CRATE}/Cargo.toml"), "--out"])
+        .arg(out)
+        .status()
+        .context("running maturin")?;
+    if !status.success() {
+        bail!("maturin build failed ({status})");
+    }
+    std::fs::read_dir(out)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "whl"))
+        .context("maturin made no wheel")
+}
+
 /// The package's Python tests (`crates/mlx-lowmem-py/tests`) under `python`.
 pub fn unit_tests(python: &Path) -> Result<()> {
     eprintln!("xtask: Python face tests under {}", python.display());
@@ -162,6 +181,29 @@ pub fn unit_tests(python: &Path) -> Result<()> {
         .context("running the Python face's tests")?;
     if !status.success() {
         bail!("the Python face's tests failed under {}", python.display());
+    }
+    Ok(())
+}
+
+/// `crates/mlx-lowmem-py/bench`: the crossing of a Python logits processor
+/// on SmolLM2 (f32), then cc-sentiment's classification both ways on Gemma 3
+/// 270M (f32; `args` go to that script, e.g. `--batches 2,8 --texts 32`).
+pub fn bench(face: &Path, smollm2: &Path, gemma3: &Path, args: &[String]) -> Result<()> {
+    let script = |name: &str| format!("{CRATE}/bench/{name}");
+    let status = Command::new(face)
+        .arg(script("crossing.py"))
+        .arg(smollm2.join("f32"))
+        .status()?;
+    if !status.success() {
+        bail!("crossing.py failed");
+    }
+    let status = Command::new(face)
+        .arg(script("classify.py"))
+        .arg(gemma3.join("f32"))
+        .args(args)
+        .status()?;
+    if !status.success() {
+        bail!("classify.py failed");
     }
     Ok(())
 }

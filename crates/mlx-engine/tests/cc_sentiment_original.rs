@@ -43,7 +43,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::gemma_words::{label_ids, mlx_lm_labels, user_content, write_tokenizer};
+use common::gemma_words::{label_ids, mlx_lm_labels, user_content, words_of, write_tokenizer};
 use common::logits::{run_script, run_script_with, write_request, Only};
 use common::tiny_gemma::{write_gemma4_with, Layout};
 use mlx_engine::{
@@ -75,35 +75,6 @@ const TEXTS: [&str; 16] = [
     "hmm, not sure about this approach",
     "perfect! you saved me hours",
 ];
-
-/// The pieces the `Whitespace` pre-tokenizer makes: runs of word
-/// characters, and runs of other non-space characters.
-fn pieces(text: &str) -> Vec<String> {
-    let word = |c: char| c.is_alphanumeric() || c == '_';
-    let mut out: Vec<String> = Vec::new();
-    let mut last: Option<bool> = None;
-    for c in text.chars() {
-        if c.is_whitespace() {
-            last = None;
-            continue;
-        }
-        let kind = word(c);
-        match (last, out.last_mut()) {
-            (Some(k), Some(piece)) if k == kind => piece.push(c),
-            _ => out.push(c.to_string()),
-        }
-        last = Some(kind);
-    }
-    out
-}
-
-/// The pieces of `texts`, sorted, once each: the tokenizer's words.
-fn words_of(texts: &[&str]) -> Vec<String> {
-    let mut words: Vec<String> = texts.iter().flat_map(|t| pieces(t)).collect();
-    words.sort();
-    words.dedup();
-    words
-}
 
 fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)

@@ -67,6 +67,35 @@ pub fn write_tokenizer(dir: &Path, words: impl IntoIterator<Item = String>) -> i
     vocab.len() as i32
 }
 
+/// The pieces the `Whitespace` pre-tokenizer makes: runs of word
+/// characters, and runs of other non-space characters.
+pub fn pieces(text: &str) -> Vec<String> {
+    let word = |c: char| c.is_alphanumeric() || c == '_';
+    let mut out: Vec<String> = Vec::new();
+    let mut last: Option<bool> = None;
+    for c in text.chars() {
+        if c.is_whitespace() {
+            last = None;
+            continue;
+        }
+        let kind = word(c);
+        match (last, out.last_mut()) {
+            (Some(k), Some(piece)) if k == kind => piece.push(c),
+            _ => out.push(c.to_string()),
+        }
+        last = Some(kind);
+    }
+    out
+}
+
+/// The pieces of `texts`, sorted, once each: the tokenizer's words.
+pub fn words_of(texts: &[&str]) -> Vec<String> {
+    let mut words: Vec<String> = texts.iter().flat_map(|t| pieces(t)).collect();
+    words.sort();
+    words.dedup();
+    words
+}
+
 /// The user message cc-sentiment builds for one text
 /// (`cc_sentiment.text.build_user_content`).
 pub fn user_content(text: &str) -> String {

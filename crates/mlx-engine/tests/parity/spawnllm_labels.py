@@ -26,7 +26,6 @@ Prints {"labels": [...], "prefix_tokens": N, "cache_offset": N, "versions":
 """
 import asyncio
 import json
-import platform
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -49,18 +48,7 @@ from cc_sentiment.text import (  # noqa: E402
     build_user_content,
     extract_score,
 )
-
-
-class ApplePlatform:
-    """sys.platform and platform.machine() as on an Apple Silicon Mac."""
-
-    def __enter__(self):
-        self.saved = (sys.platform, platform.machine)
-        sys.platform = "darwin"
-        platform.machine = lambda: "arm64"
-
-    def __exit__(self, *_):
-        sys.platform, platform.machine = self.saved
+from apple_platform import ApplePlatform  # noqa: E402
 
 
 async def main():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -43,7 +44,10 @@ class MlxEngine:
       has them) or ``"streamed"`` (each layer read for its turn).
     - ``quantized="dequantize_on_use"``: unpack quantized weights per
       product (much faster on a CPU; answers may then differ from mlx_lm's
-      in the last bits of the logits).
+      in the last bits of the logits). Left at None, the environment
+      variable ``MLX_LOWMEM_QUANTIZED`` decides (so that an application
+      that builds its engine itself can be switched without editing it),
+      else ``"keep"``.
     - ``prefix_cache="clean"``: the prefix's tokens only.
     - ``lanes``: chunks run side by side; ``max_prompt_tokens``.
 
@@ -69,13 +73,15 @@ class MlxEngine:
         batch_size: int,
         worker_name: str = "mlx",
         memory: str | None = None,
-        quantized: str | None = "keep",
+        quantized: str | None = None,
         prefix_cache: str = "with_generated_token",
         lanes: int | None = None,
         max_prompt_tokens: int | None = None,
     ) -> None:
         self._fused_dir = Path(fused_dir)
         self._prefix_messages = prefix_messages
+        if quantized is None:
+            quantized = os.environ.get("MLX_LOWMEM_QUANTIZED", "keep")
         self._native = _native.Engine(
             str(fused_dir),
             logits_processor_factory=logits_processor_factory,
