@@ -54,12 +54,24 @@ fn complete(dir: &Path) -> bool {
     })
 }
 
+/// What a download reports while it runs.
+pub(crate) enum Download<'a> {
+    /// This file of the repo is next.
+    File(&'a str),
+    /// `done` of the file's `total` bytes have arrived.
+    Bytes {
+        file: &'a str,
+        done: u64,
+        total: u64,
+    },
+}
+
 /// The folder holding the base model `model`: a local folder as given, the
 /// cached snapshot of a hub repo, or that snapshot after downloading it.
 pub(crate) fn resolve(
     model: &str,
     options: &FuseOptions,
-    progress: &mut dyn FnMut(&str),
+    progress: &mut dyn FnMut(Download<'_>),
 ) -> Result<PathBuf> {
     let local = Path::new(model);
     if local.is_dir() {
@@ -79,7 +91,11 @@ pub(crate) fn resolve(
     download(model, options, progress)
 }
 
-fn download(repo: &str, options: &FuseOptions, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+fn download(
+    repo: &str,
+    options: &FuseOptions,
+    progress: &mut dyn FnMut(Download<'_>),
+) -> Result<PathBuf> {
     let fail = |message: String| Error::Download {
         repo: repo.to_owned(),
         message,
@@ -98,9 +114,13 @@ fn download(repo: &str, options: &FuseOptions, progress: &mut dyn FnMut(&str)) -
     let info = {
         let _span = tracing::info_span!("repo_info", repo).entered();
         let remote = api.model(repo.to_owned());
-        watched(repo, "repo info", options.stall_timeout, move |_| {
-            remote.info()
-        })?
+        watched(
+            repo,
+            "repo info",
+            options.stall_timeout,
+            &mut |_| {},
+            move |_| remote.info(),
+        )?
         .map_err(|e| fail(e.to_string()))?
     };
     let cache = hf_hub::Cache::new(options.cache_root().to_path_buf());
@@ -108,7 +128,7 @@ fn download(repo: &str, options: &FuseOptions, progress: &mut dyn FnMut(&str)) -
     for sibling in info.siblings.iter().filter(|s| wanted(&s.rfilename)) {
         let file = sibling.rfilename.clone();
         let _span = tracing::info_span!("download", repo, file = %file).entered();
-        progress(&file);
+        progress(Download::File(&file));
         let path = match cache.model(repo.to_owned()).get(&file) {
             Some(path) => {
                 tracing::debug!("already in the cache");
@@ -117,9 +137,25 @@ fn download(repo: &str, options: &FuseOptions, progress: &mut dyn FnMut(&str)) -
             None => {
                 let remote = api.model(repo.to_owned());
                 let name = file.clone();
-                watched(repo, &file, options.stall_timeout, move |tick| {
-                    remote.download_with_progress(&name, Ticks(tick))
-                })?
+                let (mut done, mut total) = (0u64, 0u64);
+                let mut on_tick = |tick: Tick| {
+                    match tick {
+                        Tick::Start(size) => total = size,
+                        Tick::Bytes(n) => done += n,
+                    }
+                    progress(Download::Bytes {
+                        file: &file,
+                        done,
+                        total,
+                    });
+                };
+                watched(
+                    repo,
+                    &file,
+                    options.stall_timeout,
+                    &mut on_tick,
+                    move |tick| remote.download_with_progress(&name, Ticks(tick)),
+                )?
                 .map_err(|e| fail(format!("{file}: {e}")))?
             }
         };
@@ -140,16 +176,25 @@ fn download(repo: &str, options: &FuseOptions, progress: &mut dyn FnMut(&str)) -
     Ok(snapshot)
 }
 
+/// What hf-hub tells the watcher while it downloads a file.
+enum Tick {
+    /// The file's size in bytes (hf-hub resumes a partial file: the bytes
+    /// that follow count from where it resumed).
+    Start(u64),
+    /// More bytes written.
+    Bytes(u64),
+}
+
 /// Tells the watcher each time hf-hub writes downloaded bytes.
-struct Ticks(crossbeam_channel::Sender<()>);
+struct Ticks(crossbeam_channel::Sender<Tick>);
 
 impl hf_hub::api::Progress for Ticks {
-    fn init(&mut self, _size: usize, _filename: &str) {
-        let _ = self.0.send(());
+    fn init(&mut self, size: usize, _filename: &str) {
+        let _ = self.0.send(Tick::Start(size as u64));
     }
 
-    fn update(&mut self, _size: usize) {
-        let _ = self.0.send(());
+    fn update(&mut self, size: usize) {
+        let _ = self.0.send(Tick::Bytes(size as u64));
     }
 
     fn finish(&mut self) {}
@@ -168,10 +213,11 @@ fn watched<T: Send + 'static>(
     repo: &str,
     file: &str,
     timeout: std::time::Duration,
-    job: impl FnOnce(crossbeam_channel::Sender<()>) -> T + Send + 'static,
+    on_tick: &mut dyn FnMut(Tick),
+    job: impl FnOnce(crossbeam_channel::Sender<Tick>) -> T + Send + 'static,
 ) -> Result<T> {
     let (done_tx, done_rx) = crossbeam_channel::bounded::<T>(1);
-    let (tick_tx, mut ticks) = crossbeam_channel::unbounded::<()>();
+    let (tick_tx, mut ticks) = crossbeam_channel::unbounded::<Tick>();
     let spawned = std::thread::Builder::new()
         .name("hub-download".into())
         .spawn(move || {
@@ -194,9 +240,10 @@ fn watched<T: Send + 'static>(
                 }
             },
             recv(ticks) -> tick => {
-                if tick.is_err() {
+                match tick {
+                    Ok(tick) => on_tick(tick),
                     // The job has finished with its ticks; its result is next.
-                    ticks = crossbeam_channel::never();
+                    Err(_) => ticks = crossbeam_channel::never(),
                 }
             }
             default(timeout) => {

@@ -90,6 +90,9 @@ pub enum FuseProgress {
     Waiting,
     /// Downloading this file of the base model.
     Downloading(String),
+    /// `done` of `total` bytes of this file of the base model have arrived
+    /// (reported as they arrive).
+    Downloaded { file: String, done: u64, total: u64 },
     /// Fused `done` of `total` adapted modules.
     Fusing { done: usize, total: usize },
     /// The entry is published.
@@ -124,6 +127,11 @@ impl FuseReporter for ProgressBars {
                 self.spinner("waiting for another process fusing the same adapter")
             }
             FuseProgress::Downloading(file) => self.spinner(&format!("downloading {file}")),
+            FuseProgress::Downloaded { file, done, total } => self.spinner(&format!(
+                "downloading {file}: {:.1} of {:.1} MB",
+                done as f64 / 1e6,
+                total as f64 / 1e6
+            )),
             FuseProgress::Fusing { done, total } => {
                 let bar = self.bar.get_or_insert_with(|| {
                     let bar = indicatif::ProgressBar::new(total as u64);
@@ -288,8 +296,13 @@ impl FuseOptions {
             progress(FuseProgress::Hit);
             return Ok(entry.snapshot());
         }
-        let base = base::resolve(model_repo, self, &mut |file| {
-            progress(FuseProgress::Downloading(file.to_owned()))
+        let base = base::resolve(model_repo, self, &mut |event| match event {
+            base::Download::File(file) => progress(FuseProgress::Downloading(file.to_owned())),
+            base::Download::Bytes { file, done, total } => progress(FuseProgress::Downloaded {
+                file: file.to_owned(),
+                done,
+                total,
+            }),
         })?;
         // Holding the lock, any `.fuse-{digest}-*` folder is a killed
         // predecessor's work: nobody else builds this digest now.

@@ -197,14 +197,26 @@ fn base_is_downloaded_once_then_used_offline() {
     ]
     .into_iter()
     .collect();
+    let weights_len = files["model.safetensors"].len() as u64;
     let (endpoint, hits) = serve(files);
     let (dir, root, options) = hub_at(&endpoint);
 
+    let mut bytes: HashMap<String, (u64, u64)> = HashMap::new();
     let fused = Fuse::new(REPO, &codec(&dir.path().join("a1"), 1.0), "org--fused")
         .options(&options)
+        .progress(|event| {
+            if let adapter_fuse::FuseProgress::Downloaded { file, done, total } = event {
+                bytes.insert(file, (done, total));
+            }
+        })
         .run()
         .unwrap();
     assert!(hits.load(Ordering::SeqCst) > 0, "nothing was downloaded");
+    assert_eq!(
+        bytes.get("model.safetensors"),
+        Some(&(weights_len, weights_len)),
+        "byte progress reaches the file's size"
+    );
     let base = root.join("models--org--remote-base");
     assert_eq!(
         std::fs::read_to_string(base.join("refs/main"))

@@ -62,7 +62,8 @@ pub(crate) fn codec_dtype(py: Python<'_>, zst: PathBuf, config: PathBuf) -> PyRe
 /// `models--{cache_namespace}-{digest}` (a hit returns at once); returns
 /// the snapshot folder. `on_event(kind, *details)` is called on this
 /// thread with the GIL for each step: ("hit",), ("waiting",),
-/// ("downloading", file), ("fusing", done, total), ("published",).
+/// ("downloading", file), ("downloaded", file, bytes, total bytes),
+/// ("fusing", done, total), ("published",).
 #[pyfunction]
 #[pyo3(signature = (model_repo, zst, config, cache_namespace, on_event = None))]
 pub(crate) fn fuse(
@@ -83,6 +84,9 @@ pub(crate) fn fuse(
                     FuseProgress::Hit => callback.call1(py, ("hit",)),
                     FuseProgress::Waiting => callback.call1(py, ("waiting",)),
                     FuseProgress::Downloading(file) => callback.call1(py, ("downloading", file)),
+                    FuseProgress::Downloaded { file, done, total } => {
+                        callback.call1(py, ("downloaded", file, done, total))
+                    }
                     FuseProgress::Fusing { done, total } => {
                         callback.call1(py, ("fusing", done, total))
                     }

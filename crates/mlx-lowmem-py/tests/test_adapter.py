@@ -110,6 +110,35 @@ FUSE = textwrap.dedent(
 )
 
 
+class Progress(unittest.TestCase):
+    def test_tqdm_draws_bytes_per_file_then_modules(self) -> None:
+        from mlx_lowmem._adapter import _Progress
+
+        class Bar:
+            made: list = []
+
+            def __init__(self, total=None, desc=None, **kw):
+                self.total, self.n, self.desc, self.kw, self.closed = total, 0, desc, kw, False
+                Bar.made.append(self)
+
+            def update(self, k):
+                self.n += k
+
+            def close(self):
+                self.closed = True
+
+        progress = _Progress(Bar)
+        for event in [("downloading", "config.json"), ("downloaded", "config.json", 10, 10),
+                      ("downloading", "model.safetensors"), ("downloaded", "model.safetensors", 400, 1000),
+                      ("downloaded", "model.safetensors", 1000, 1000), ("fusing", 1, 2), ("fusing", 2, 2),
+                      ("published",)]:
+            progress(*event)
+        self.assertEqual([(b.desc, b.total, b.n, b.kw.get("unit")) for b in Bar.made],
+                         [("config.json", 10, 10, "B"), ("model.safetensors", 1000, 1000, "B"),
+                          ("fusing", 2, 2, "module")])
+        self.assertTrue(all(b.closed for b in Bar.made))
+
+
 class Fuser(unittest.TestCase):
     @classmethod
     def setUpClass(cls) -> None:

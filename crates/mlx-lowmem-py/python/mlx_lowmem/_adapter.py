@@ -57,28 +57,40 @@ class AdapterCodec:
 
 
 class _Progress:
-    """Fuse events drawn with a tqdm class: a bar of adapted modules while
-    fusing, a description while downloading or waiting."""
+    """Fuse events drawn with a tqdm class: one bar of bytes per downloaded
+    file (as `snapshot_download(tqdm_class=...)` draws them), then one bar of
+    adapted modules while fusing."""
 
     def __init__(self, tqdm_class: Any) -> None:
         self.tqdm_class = tqdm_class
         self.bar: Any = None
+        self.showing = ""
+
+    def _bar(self, showing: str, **kwargs: Any) -> Any:
+        if self.showing != showing:
+            self.close()
+            self.bar = self.tqdm_class(**kwargs)
+            self.showing = showing
+        return self.bar
 
     def __call__(self, kind: str, *details: Any) -> None:
-        if kind == "fusing":
+        if kind == "downloaded":
+            file, done, total = details
+            bar = self._bar("bytes:" + file, total=total, desc=file, unit="B", unit_scale=True)
+            bar.update(done - bar.n)
+        elif kind == "fusing":
             done, total = details
-            if self.bar is None:
-                self.bar = self.tqdm_class(total=total, desc="fusing", unit="module")
-            self.bar.update(done - self.bar.n)
-        elif kind in ("downloading", "waiting"):
-            text = f"downloading {details[0]}" if kind == "downloading" else "waiting for another fuser"
-            if self.bar is None:
-                self.bar = self.tqdm_class(total=None, desc=text)
-            else:
-                self.bar.set_description(text)
-        elif kind == "published" and self.bar is not None:
+            bar = self._bar("fusing", total=total, desc="fusing", unit="module")
+            bar.update(done - bar.n)
+        elif kind == "waiting":
+            self._bar("waiting", total=None, desc="waiting for another process fusing this adapter")
+        elif kind == "published":
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
             self.bar.close()
-            self.bar = None
+        self.bar, self.showing = None, ""
 
 
 class AdapterFuser:
@@ -102,11 +114,12 @@ class AdapterFuser:
         crash leaves no entry; concurrent callers share one fuse). The hub
         cache, endpoint, token and offline switch come from the same
         environment variables huggingface_hub reads. `tqdm_class`, if given,
-        draws the progress."""
+        draws the progress: the bytes of each downloaded file, then the
+        adapted modules."""
         progress = _Progress(tqdm_class) if tqdm_class is not None else None
         try:
             fused = _native.fuse(model_repo, str(codec.ZST), str(codec.CONFIG), cache_namespace, progress)
         finally:
-            if progress is not None and progress.bar is not None:
-                progress.bar.close()
+            if progress is not None:
+                progress.close()
         return Path(fused)
