@@ -10,11 +10,13 @@
 //! What is checked: the fused entry is where the application looks for it
 //! and its tensors equal, byte for byte, those of adapter-fuse called from
 //! Rust on the same base and codec (whose equality with the Python
-//! original's fuse `adapter-fuse/tests/shipped_adapter.rs` holds); every
-//! answer is a label. The labels themselves are not compared with the
-//! original's here: its prefix pass over this model takes far longer than a
-//! test may on a CPU (`cc_sentiment_original.rs` compares them on a tiny
-//! Gemma 4 with the same prompt). The engine runs with
+//! original's fuse `adapter-fuse/tests/shipped_adapter.rs` holds); the
+//! labels equal those the Python original (cc-sentiment on spawnllm 0.17.1
+//! + mlx-lm 0.31.3, `tests/parity/spawnllm_labels.py`) gave on the same
+//! fused folder, kept in `tests/data/cc_sentiment_app_e2b.json`: its pass
+//! over this model takes about twenty minutes on a 2-core CPU, so it is
+//! computed again only when `MLX_LOWMEM_SPAWNLLM_PYTHON` names its
+//! interpreter (the face venv has everything it needs). The engine runs with
 //! `MLX_LOWMEM_QUANTIZED=dequantize_on_use`, the CPU-fast arithmetic.
 //!
 //! Skips, saying so, without the adapter (`cargo xtask fixtures`) or the
@@ -27,6 +29,7 @@ use std::process::Command;
 
 use adapter_codec::AdapterCodec;
 use common::gemma_words::{words_of, write_tokenizer};
+use sha2::{Digest, Sha256};
 use st_mmap::SafetensorsSet;
 use test_support::gemma4_e2b;
 
@@ -52,6 +55,80 @@ fn tensors(dir: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>
             )
         })
         .collect()
+}
+
+/// Each file of `dir` by SHA-256.
+fn digests(dir: &Path) -> serde_json::Value {
+    let mut files = serde_json::Map::new();
+    let mut names: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    names.sort();
+    for path in names {
+        let digest: String = Sha256::digest(std::fs::read(&path).unwrap())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        files.insert(
+            path.file_name().unwrap().to_string_lossy().into_owned(),
+            digest.into(),
+        );
+    }
+    files.into()
+}
+
+fn kept_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/cc_sentiment_app_e2b.json")
+}
+
+/// The original's labels on `fused`: computed again when
+/// `MLX_LOWMEM_SPAWNLLM_PYTHON` names its interpreter (and kept), else read
+/// from the kept file, which must have been made from the same base and
+/// texts. Returns them with the kept record.
+fn original_labels(base: &Path, fused: &Path, work: &Path) -> (Vec<String>, serde_json::Value) {
+    let inputs = serde_json::json!({"base": digests(base), "texts": TEXTS});
+    if let Ok(python) = std::env::var("MLX_LOWMEM_SPAWNLLM_PYTHON") {
+        let request = work.join("original-request.json");
+        std::fs::write(&request, serde_json::json!({ "texts": TEXTS }).to_string()).unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/parity/spawnllm_labels.py");
+        let clock = std::time::Instant::now();
+        let run = Command::new(python)
+            .arg(&script)
+            .arg(fused)
+            .arg(&request)
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "the original: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let mut made: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        made["inputs"] = inputs.clone();
+        made["fused"] = digests(fused);
+        made["seconds"] = clock.elapsed().as_secs_f64().round().into();
+        std::fs::write(
+            kept_path(),
+            serde_json::to_string_pretty(&made).unwrap() + "\n",
+        )
+        .unwrap();
+        eprintln!("wrote {}: commit it", kept_path().display());
+    }
+    let kept: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(kept_path()).unwrap()).unwrap();
+    assert_eq!(
+        kept["inputs"], inputs,
+        "the kept labels were computed on another base or texts; set MLX_LOWMEM_SPAWNLLM_PYTHON \
+         to target/face-venv/bin/python3 and run this test again"
+    );
+    assert_eq!(kept["versions"]["spawnllm"], "0.17.1");
+    assert_eq!(kept["versions"]["mlx-lm"], "0.31.3");
+    (
+        serde_json::from_value(kept["labels"].clone()).unwrap(),
+        kept,
+    )
 }
 
 #[test]
@@ -145,4 +222,15 @@ fn cc_sentiment_fuses_and_classifies_through_the_python_face_with_e2b_shapes() {
     );
     let differing: Vec<&String> = ours.keys().filter(|k| ours[*k] != rust[*k]).collect();
     assert!(differing.is_empty(), "tensors that differ: {differing:?}");
+
+    let (original, kept) = original_labels(&base, &fused, dir.path());
+    // The fuse's bytes depend on the BLAS kernels (docs/adapter-fuse.md):
+    // on other kernels than the kept run's the folder may differ in a few
+    // packed words, and the labels are then compared on a folder the
+    // original did not see.
+    let same_folder = kept["fused"] == digests(&fused);
+    assert_eq!(
+        labels, original,
+        "cc-sentiment on mlx_lowmem vs on spawnllm (fused folder byte-equal to the kept run's: {same_folder})"
+    );
 }

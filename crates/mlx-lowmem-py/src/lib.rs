@@ -6,15 +6,15 @@
 //! their asyncio face; this half holds what does the work, as blocking calls
 //! that release the GIL while MLX, the codec or the fuse run:
 //!
-//! - [`engine::Engine`]: an [`mlx_engine::MlxEngine`] with a Python logits
+//! - `engine::Engine`: an [`mlx_engine::MlxEngine`] with a Python logits
 //!   processor factory and progress callback, and `submit` for Python jobs
 //!   on its worker thread.
-//! - [`tokenizer::Tokenizer`]: the engine's tokenizer with the methods
+//! - `tokenizer::Tokenizer`: the engine's tokenizer with the methods
 //!   mlx_lm's `TokenizerWrapper` users call.
-//! - [`adapter`]: the codec's encode/decode/digest/dtype and the fuse.
+//! - `adapter`: the codec's encode/decode/digest/dtype and the fuse.
 //!
 //! Errors become the Python exceptions of `mlx_lowmem._errors` (one
-//! hierarchy rooted in `MlxLowmemError`), built by [`errors`].
+//! hierarchy rooted in `MlxLowmemError`), built by `errors`.
 
 mod adapter;
 mod engine;

@@ -117,6 +117,23 @@ class Generation(unittest.IsolatedAsyncioTestCase):
         self.assertTrue(all(t in {"1", "2", "3", "4", "5"} for t in kept), kept)
 
 
+class UnderAnyio(unittest.TestCase):
+    @unittest.skipUnless(has("anyio"), "anyio is not installed here")
+    def test_awaits_under_anyio_as_cc_sentiment_runs_them(self) -> None:
+        import anyio
+
+        async def main() -> list[str]:
+            e = engine()
+            await e.ensure_loaded()
+            texts = await e.generate(conversations(TEXTS[:2]), lambda n: None)
+            await e.close()
+            return texts
+
+        texts = anyio.run(main)
+        self.assertEqual(len(texts), 2)
+        self.assertTrue(all(t in {"1", "2", "3", "4", "5"} for t in texts), texts)
+
+
 class Failures(unittest.IsolatedAsyncioTestCase):
     async def test_a_closed_engine_raises_at_once(self) -> None:
         e = engine()
