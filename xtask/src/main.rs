@@ -414,12 +414,7 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
         let face = python_face::face_python()
             .context("the Python face's bench needs a Python 3.13 environment")?;
         python_face::build_and_install(&face, &[&face])?;
-        python_face::bench(
-            &face,
-            &fixtures::ensure()?,
-            &fixtures::gemma3()?,
-            if all { &[] } else { args },
-        )?;
+        python_face::bench(&face, &fixtures::ensure()?, if all { &[] } else { args })?;
     }
     if all || which == Bench::Arithmetic {
         cargo(

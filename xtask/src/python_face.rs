@@ -185,10 +185,11 @@ pub fn unit_tests(python: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `crates/mlx-lowmem-py/bench`: the crossing of a Python logits processor
-/// on SmolLM2 (f32), then cc-sentiment's classification both ways on Gemma 3
-/// 270M (f32; `args` go to that script, e.g. `--batches 2,8 --texts 32`).
-pub fn bench(face: &Path, smollm2: &Path, gemma3: &Path, args: &[String]) -> Result<()> {
+/// `crates/mlx-lowmem-py/bench`: the crossing of a Python logits processor,
+/// then cc-sentiment's classification both ways, on SmolLM2-135M (f32; `args`
+/// go to classify.py, e.g. `--batches 2,8 --texts 32`, or a model folder
+/// with a chat template as its first argument instead of SmolLM2's).
+pub fn bench(face: &Path, smollm2: &Path, args: &[String]) -> Result<()> {
     let script = |name: &str| format!("{CRATE}/bench/{name}");
     let status = Command::new(face)
         .arg(script("crossing.py"))
@@ -197,11 +198,12 @@ pub fn bench(face: &Path, smollm2: &Path, gemma3: &Path, args: &[String]) -> Res
     if !status.success() {
         bail!("crossing.py failed");
     }
-    let status = Command::new(face)
-        .arg(script("classify.py"))
-        .arg(gemma3.join("f32"))
-        .args(args)
-        .status()?;
+    let mut classify = Command::new(face);
+    classify.arg(script("classify.py"));
+    if args.first().is_none_or(|a| a.starts_with('-')) {
+        classify.arg(smollm2.join("f32"));
+    }
+    let status = classify.args(args).status()?;
     if !status.success() {
         bail!("classify.py failed");
     }
