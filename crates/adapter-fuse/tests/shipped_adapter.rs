@@ -17,7 +17,6 @@ use std::process::Command;
 
 use adapter_codec::AdapterCodec;
 use adapter_fuse::{Error, Fuse, FuseOptions};
-use st_mmap::SafetensorsSet;
 
 fn shipped(test: &str) -> Option<PathBuf> {
     let dir = std::env::var_os("MLX_LOWMEM_CC_SENTIMENT").map(PathBuf::from);
@@ -60,20 +59,6 @@ fn write_base(dir: &Path, base: &gemma4_e2b::E2bBase) {
         r#"{"eos_token_id": [1, 106]}"#,
     )
     .unwrap();
-}
-
-/// Every tensor of `dir`'s safetensors: name → (dtype, shape, bytes).
-fn tensors(dir: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
-    let set = SafetensorsSet::open_dir(dir).unwrap();
-    set.keys()
-        .map(|k| {
-            let v = set.tensor(k).unwrap();
-            (
-                k.to_owned(),
-                (v.dtype.to_string(), v.shape.to_vec(), v.data.to_vec()),
-            )
-        })
-        .collect()
 }
 
 /// The shipped adapter decoded into `dir`.
@@ -155,8 +140,8 @@ fn the_shipped_adapter_fuses_into_gemma4_as_the_python_original_does() {
         adapter.join("adapter_config.json"),
     )
     .unwrap();
-    let our_tensors = tensors(&ours);
-    let base_tensors = tensors(&base);
+    let our_tensors = test_support::tensors::in_folder(&ours);
+    let base_tensors = test_support::tensors::in_folder(&base);
     for (newer, version) in [(false, "0.31.3"), (true, "0.32.2")] {
         let theirs = dir.path().join(format!("python-{version}"));
         let (got, peak) = python_fuse(&python, &base, &adapter, &theirs, newer);
@@ -165,7 +150,7 @@ fn the_shipped_adapter_fuses_into_gemma4_as_the_python_original_does() {
             "python fuse with mlx_lm {version}: peak RSS {} MB",
             peak >> 20
         );
-        let their_tensors = tensors(&theirs);
+        let their_tensors = test_support::tensors::in_folder(&theirs);
         let ours_only: Vec<_> = our_tensors
             .keys()
             .filter(|k| !their_tensors.contains_key(*k))

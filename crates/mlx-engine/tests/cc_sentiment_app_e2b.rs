@@ -12,11 +12,11 @@
 //! Rust on the same base and codec (whose equality with the Python
 //! original's fuse `adapter-fuse/tests/shipped_adapter.rs` holds); the
 //! labels equal those the Python original (cc-sentiment on spawnllm 0.17.1
-//! + mlx-lm 0.31.3, `tests/parity/spawnllm_labels.py`) gave on the same
+//! and mlx-lm 0.31.3, `tests/parity/spawnllm_labels.py`) gave on the same
 //! fused folder, kept in `tests/data/cc_sentiment_app_e2b.json`: its pass
-//! over this model takes about twenty minutes on a 2-core CPU, so it is
-//! computed again only when `MLX_LOWMEM_SPAWNLLM_PYTHON` names its
-//! interpreter (the face venv has everything it needs). The engine runs with
+//! over this model took 338 s on a 2-core CPU, so it is computed again only
+//! when `MLX_LOWMEM_SPAWNLLM_PYTHON` names its interpreter (the face venv
+//! has everything it needs). The engine runs with
 //! `MLX_LOWMEM_QUANTIZED=dequantize_on_use`, the CPU-fast arithmetic.
 //!
 //! Skips, saying so, without the adapter (`cargo xtask fixtures`) or the
@@ -30,7 +30,6 @@ use std::process::Command;
 use adapter_codec::AdapterCodec;
 use common::gemma_words::{words_of, write_tokenizer};
 use sha2::{Digest, Sha256};
-use st_mmap::SafetensorsSet;
 use test_support::gemma4_e2b;
 
 /// cc-sentiment's `DEFAULT_MODEL`.
@@ -42,20 +41,6 @@ const TEXTS: [&str; 4] = [
     "no. that is wrong again. read the error",
     "AI: I updated the config.\nDEVELOPER: it still fails, same error",
 ];
-
-/// Every tensor of `dir`'s safetensors: name → (dtype, shape, bytes).
-fn tensors(dir: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
-    let set = SafetensorsSet::open_dir(dir).unwrap();
-    set.keys()
-        .map(|k| {
-            let v = set.tensor(k).unwrap();
-            (
-                k.to_owned(),
-                (v.dtype.to_string(), v.shape.to_vec(), v.data.to_vec()),
-            )
-        })
-        .collect()
-}
 
 /// Each file of `dir` by SHA-256.
 fn digests(dir: &Path) -> serde_json::Value {
@@ -215,7 +200,10 @@ fn cc_sentiment_fuses_and_classifies_through_the_python_face_with_e2b_shapes() {
         .options(&options)
         .run()
         .unwrap();
-    let (ours, rust) = (tensors(&fused), tensors(&from_rust));
+    let (ours, rust) = (
+        test_support::tensors::in_folder(&fused),
+        test_support::tensors::in_folder(&from_rust),
+    );
     assert_eq!(
         ours.keys().collect::<Vec<_>>(),
         rust.keys().collect::<Vec<_>>()

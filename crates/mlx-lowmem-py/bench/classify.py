@@ -31,24 +31,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PARITY = HERE.parents[1] / "mlx-engine" / "tests" / "parity"
 
-TEXTS = [
-    "fix the failing test in parser.rs",
-    "thanks, that works perfectly!",
-    "no. that is wrong again. read the error",
-    "why does the build keep breaking after every change you make",
-    "ok",
-    "great job, this is exactly what I wanted",
-    "run cargo test",
-    "AI: I updated the config.\nDEVELOPER: it still fails, same error",
-    "can you explain what this function does",
-    "stop changing unrelated files",
-    "nice, much faster now",
-    "undo that",
-    "this is the third time I asked, please just do what I said",
-    "looks good, commit it",
-    "hmm, not sure about this approach",
-    "perfect! you saved me hours",
-]
+# The sixteen developer messages the label tests use (kept with their labels).
+TEXTS = json.loads((HERE.parents[1] / "mlx-engine/tests/data/cc_sentiment_original.json").read_text())["inputs"]["texts"]
 
 CHILD = r"""
 import asyncio, json, sys, time

@@ -7,6 +7,7 @@
 //!   random weights, quantized as the published "UD" MLX checkpoints are.
 //! - [`tiny_llama`]: tiny random llama, mistral, qwen2 and qwen3
 //!   checkpoints, the models most engine tests run.
+//! - [`tensors`]: every tensor of a model folder, to compare two folders.
 //! - [`python`]: the interop Python (`MLX_LOWMEM_PYTHON`, which `cargo
 //!   xtask test` sets) if it has the modules a test needs; otherwise the
 //!   test says that it skips.
@@ -19,4 +20,5 @@
 
 pub mod gemma4_e2b;
 pub mod python;
+pub mod tensors;
 pub mod tiny_llama;
