@@ -137,18 +137,12 @@ impl Tokenizer {
 
     /// Token ids of `text`, without adding special tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| Error::Template(e.to_string()))?;
-        Ok(encoding.get_ids().to_vec())
+        self.encode_with_special_tokens(text, false)
     }
 
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, true)
-            .map_err(|e| Error::Template(e.to_string()))
+        self.decode_with_special_tokens(ids, true)
     }
 
     /// Token ids of `text` as Hugging Face's `encode(text,
