@@ -436,6 +436,11 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
         std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
         if bench == Bench::Engine {
             std::env::set_var(GEMMA3_VAR, fixtures::gemma3()?);
+            if args.iter().any(|a| a == "--llama-cpp") {
+                let python = prereqs::interop_python()
+                    .context("llama.cpp's side needs the interop Python environment")?;
+                prereqs::llama_cpp(&python)?;
+            }
         }
         let name = if bench == Bench::Fuse {
             "fuse"

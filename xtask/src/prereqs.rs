@@ -309,3 +309,61 @@ pub fn actionlint() -> Result<std::path::PathBuf> {
 pub fn absolute(path: &Path) -> Option<std::path::PathBuf> {
     std::env::current_dir().ok().map(|d| d.join(path))
 }
+
+/// llama-cpp-python, what a Linux CPU user runs GGUF models with, for the
+/// engine bench's llama.cpp side (`cargo xtask bench engine --llama-cpp`):
+/// built from source for this CPU (`GGML_NATIVE`), as its users are told
+/// to, into the interop venv. The wheel is kept in the fixtures' cache
+/// (the build takes ~10 minutes on two cores).
+pub const LLAMA_CPP: &str = "llama-cpp-python==0.3.36";
+
+/// Installs [`LLAMA_CPP`] into `python`'s environment unless it is there.
+pub fn llama_cpp(python: &Path) -> Result<()> {
+    let has = |python: &Path| {
+        Command::new(python)
+            .args(["-c", "import llama_cpp"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if has(python) {
+        return Ok(());
+    }
+    let wheels = crate::fixtures::cache_dir()?.join("llama-cpp");
+    std::fs::create_dir_all(&wheels)?;
+    let built = |dir: &Path| -> Option<std::path::PathBuf> {
+        std::fs::read_dir(dir)
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("llama_cpp_python-0.3.36-"))
+            })
+    };
+    if built(&wheels).is_none() {
+        eprintln!("xtask: building {LLAMA_CPP} for this CPU (GGML_NATIVE; minutes)");
+        let ok = Command::new(python)
+            .args(["-m", "pip", "wheel", "--no-deps", "-w"])
+            .arg(&wheels)
+            .arg(LLAMA_CPP)
+            .env("CMAKE_ARGS", "-DGGML_NATIVE=ON")
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            bail!("building {LLAMA_CPP} failed (it needs cmake's build tools from PyPI and a C++ compiler: apt-get install g++)");
+        }
+    }
+    let wheel = built(&wheels).context("the llama-cpp-python wheel just built is missing")?;
+    let ok = Command::new(python)
+        .args(["-m", "pip", "install", "--quiet"])
+        .arg(&wheel)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok || !has(python) {
+        bail!(
+            "installing {} into {} failed",
+            wheel.display(),
+            python.display()
+        );
+    }
+    Ok(())
+}

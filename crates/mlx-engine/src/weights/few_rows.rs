@@ -68,29 +68,39 @@ pub(crate) fn transposed(panels: &Array) -> Result<Array> {
 /// `x · W` for `x` `(…, in)` and `W` held as `panels`: `(…, out)`, in
 /// f32 (as MLX promotes a narrower `x` against an f32 weight).
 pub(crate) fn product(x: &Array, panels: &Array) -> Result<Array> {
-    let inputs = panels.dim(1);
-    let fits = x.ndim() > 0 && x.shape()[x.ndim() - 1] == inputs;
-    let rows = x.size().checked_div(inputs as usize).unwrap_or(0);
+    let inputs = panels.dim(1) as usize;
+    let outputs = panels.dim(0) as usize * PANEL;
+    let fallback = || Ok(x.matmul(transposed(panels)?)?);
+    on_host(x, inputs, outputs, fallback, |xs, rows, sums, threads| {
+        multiply(xs, rows, inputs, host_f32(panels)?, sums, threads);
+        Ok(())
+    })
+}
+
+/// A product `(…, in)` → `(…, out)` of `x` computed on the host by
+/// `kernel(x, rows, sums, threads)`, which writes the f32 sums `(rows,
+/// out)` straight into the result's buffer. `fallback` (MLX's product)
+/// answers instead where the kernel cannot: no rows, a width that does not
+/// fit (MLX's error names the shapes), or no AVX-512.
+pub(crate) fn on_host(
+    x: &Array,
+    inputs: usize,
+    outputs: usize,
+    fallback: impl FnOnce() -> Result<Array>,
+    kernel: impl FnOnce(&[f32], usize, &mut [f32], usize) -> Result<()>,
+) -> Result<Array> {
+    let fits = x.ndim() > 0 && x.shape()[x.ndim() - 1] as usize == inputs;
+    let rows = x.size().checked_div(inputs).unwrap_or(0);
     if !fits || rows == 0 || !supported() {
-        // MLX's product: an empty one, or the error that names a shape
-        // that does not fit.
-        return Ok(x.matmul(transposed(panels)?)?);
+        return fallback();
     }
     let x = if x.dtype() == mlx_rs::Dtype::Float32 {
         x.clone()
     } else {
         x.as_dtype(mlx_rs::Dtype::Float32)?
     };
-    on_host(&x, panels, rows, inputs as usize)
-}
-
-/// [`product`] computed by the kernel, its sums written straight into the
-/// result's buffer.
-fn on_host(x: &Array, panels: &Array, rows: usize, inputs: usize) -> Result<Array> {
-    let outputs = panels.dim(0) as usize * PANEL;
     let flat = x.reshape(&[rows as i32, inputs as i32])?.contiguous()?;
     let xs = host_f32(&flat)?;
-    let ws = host_f32(panels)?;
     let threads = mlx_support::blas_threads().unwrap_or(1).max(1);
     let y = mlx_support::array_written::<crate::error::Error>(
         "few_rows::product",
@@ -103,8 +113,7 @@ fn on_host(x: &Array, panels: &Array, rows: usize, inputs: usize) -> Result<Arra
             if !head.is_empty() || !tail.is_empty() {
                 return Err(host_error("MLX's buffer is not aligned for f32"));
             }
-            multiply(xs, rows, inputs, ws, sums, threads);
-            Ok(())
+            kernel(xs, rows, sums, threads)
         },
     )?;
     let mut shape = x.shape().to_vec();
@@ -115,12 +124,12 @@ fn on_host(x: &Array, panels: &Array, rows: usize, inputs: usize) -> Result<Arra
 }
 
 /// The evaluated, row-contiguous f32 data of `a`.
-fn host_f32(a: &Array) -> Result<&[f32]> {
+pub(crate) fn host_f32(a: &Array) -> Result<&[f32]> {
     a.try_as_slice::<f32>()
         .map_err(|e| host_error(&format!("reading an f32 array on the host: {e}")))
 }
 
-fn host_error(what: &str) -> crate::error::Error {
+pub(crate) fn host_error(what: &str) -> crate::error::Error {
     crate::error::Error::Mlx(mlx_rs::error::Exception::custom(what))
 }
 
@@ -152,31 +161,94 @@ pub(crate) fn multiply(
             && supported(),
         "few_rows::multiply: lengths do not fit, or no AVX-512"
     );
-    if count == 0 {
+    each_tile(rows, count, y, threads, |tile| {
+        let x = &x[tile.row * inputs..(tile.row + tile.rows) * inputs];
+        let panel = &panels[tile.panel * panel_len..][..panel_len];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `multiply` checked that the CPU has AVX-512F; `x` is
+        // `tile.rows` rows of `inputs`, `panel` is `inputs × PANEL`, and the
+        // tile's sums are its own (`each_tile`).
+        unsafe {
+            match tile.rows {
+                1 => avx512::tile::<1>(x, inputs, panel, tile.y, tile.stride),
+                2 => avx512::tile::<2>(x, inputs, panel, tile.y, tile.stride),
+                3 => avx512::tile::<3>(x, inputs, panel, tile.y, tile.stride),
+                4 => avx512::tile::<4>(x, inputs, panel, tile.y, tile.stride),
+                5 => avx512::tile::<5>(x, inputs, panel, tile.y, tile.stride),
+                6 => avx512::tile::<6>(x, inputs, panel, tile.y, tile.stride),
+                7 => avx512::tile::<7>(x, inputs, panel, tile.y, tile.stride),
+                _ => avx512::tile::<8>(x, inputs, panel, tile.y, tile.stride),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (x, panel);
+            unreachable!("few_rows::multiply checks supported()");
+        }
+    });
+}
+
+/// Rows a kernel sums at once: two registers of sums each, sixteen in all.
+pub(crate) const TILE_ROWS: usize = 8;
+
+/// One tile of a product in panels: `rows` (at most [`TILE_ROWS`]) rows
+/// from `row` on, times panel `panel`, whose `PANEL` sums per row go to
+/// `y`, rows `stride` floats apart.
+pub(crate) struct Tile {
+    pub panel: usize,
+    pub row: usize,
+    pub rows: usize,
+    /// Row `row`'s first sum of the panel's columns.
+    pub y: *mut f32,
+    pub stride: usize,
+}
+
+/// Calls `kernel` on every tile of `y` `(rows, count · PANEL)`, the panels
+/// shared out over `threads`. Each tile's `PANEL` columns of its rows are
+/// its own: no other call writes them, so a kernel may write all of them
+/// through [`Tile::y`] (and nothing else).
+///
+/// # Panics
+/// When `y` is not `rows × count · PANEL` floats.
+pub(crate) fn each_tile(
+    rows: usize,
+    count: usize,
+    y: &mut [f32],
+    threads: usize,
+    kernel: impl Fn(Tile) + Sync,
+) {
+    assert_eq!(y.len(), rows * count * PANEL, "each_tile: y does not fit");
+    if rows == 0 || count == 0 {
         return;
     }
     let out = Columns {
         y: y.as_mut_ptr(),
         row_len: count * PANEL,
     };
-    let run = |first: usize, panels: &[f32]| {
-        for (i, panel) in panels.chunks(panel_len).enumerate() {
-            // SAFETY: panel `first + i` is below `count`, so its columns are
-            // inside every row of `y`, and each panel is handed to exactly
-            // one call, so no two threads write the same element.
-            unsafe { panel_times_rows(x, rows, inputs, panel, &out, (first + i) * PANEL) };
+    let run = |panels: std::ops::Range<usize>| {
+        for panel in panels {
+            for row in (0..rows).step_by(TILE_ROWS) {
+                kernel(Tile {
+                    panel,
+                    row,
+                    rows: (rows - row).min(TILE_ROWS),
+                    // SAFETY: `row < rows` and `panel < count`, so this
+                    // is inside `y` (its length was checked above).
+                    y: unsafe { out.at(row * out.row_len + panel * PANEL) },
+                    stride: out.row_len,
+                });
+            }
         }
     };
     if threads <= 1 {
-        run(0, panels);
+        run(0..count);
     } else {
         // Whole panels per task, a few tasks per thread: enough to even
         // the work out without splitting a small product to dust.
         let per_task = count.div_ceil(threads * 4).max(1);
-        panels
-            .par_chunks(panel_len * per_task)
-            .enumerate()
-            .for_each(|(task, panels)| run(task * per_task, panels));
+        (0..count.div_ceil(per_task))
+            .into_par_iter()
+            .for_each(|task| run(task * per_task..((task + 1) * per_task).min(count)));
     }
 }
 
@@ -186,58 +258,21 @@ struct Columns {
     row_len: usize,
 }
 
-// SAFETY: the pointer is only written through by `panel_times_rows`, each
-// call to its own columns (see `multiply`), while `multiply` holds `y`
-// mutably borrowed.
-unsafe impl Sync for Columns {}
-
-/// One panel's sums for every row, eight rows at a time, into columns
-/// `column..column + PANEL` of `out`.
-///
-/// # Safety
-/// Those columns are inside `out`'s rows, `out` holds `rows` rows, and no
-/// other thread writes them meanwhile.
-unsafe fn panel_times_rows(
-    x: &[f32],
-    rows: usize,
-    inputs: usize,
-    panel: &[f32],
-    out: &Columns,
-    column: usize,
-) {
-    let mut row = 0;
-    while row < rows {
-        let take = (rows - row).min(8);
-        let x = &x[row * inputs..(row + take) * inputs];
-        // SAFETY: row `row`'s column `column` is inside `out` (the caller).
-        let y = unsafe { out.y.add(row * out.row_len + column) };
-        #[cfg(target_arch = "x86_64")]
-        {
-            // SAFETY: `multiply` checked that the CPU has AVX-512F; `x` is
-            // `take` rows of `inputs`, `panel` is `inputs × PANEL`, and the
-            // `take` rows of `PANEL` sums from `y` on, `row_len` apart, are
-            // this call's own (the caller).
-            unsafe {
-                match take {
-                    1 => avx512::tile::<1>(x, inputs, panel, y, out.row_len),
-                    2 => avx512::tile::<2>(x, inputs, panel, y, out.row_len),
-                    3 => avx512::tile::<3>(x, inputs, panel, y, out.row_len),
-                    4 => avx512::tile::<4>(x, inputs, panel, y, out.row_len),
-                    5 => avx512::tile::<5>(x, inputs, panel, y, out.row_len),
-                    6 => avx512::tile::<6>(x, inputs, panel, y, out.row_len),
-                    7 => avx512::tile::<7>(x, inputs, panel, y, out.row_len),
-                    _ => avx512::tile::<8>(x, inputs, panel, y, out.row_len),
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (x, panel, y);
-            unreachable!("few_rows::multiply checks supported()");
-        }
-        row += take;
+impl Columns {
+    /// The sum at `offset` in `y`.
+    ///
+    /// # Safety
+    /// `offset` is inside `y`.
+    unsafe fn at(&self, offset: usize) -> *mut f32 {
+        // SAFETY: inside `y` (the caller).
+        unsafe { self.y.add(offset) }
     }
 }
+
+// SAFETY: the pointer is only offset here and handed to kernels, each tile
+// to one call with its own columns (see `each_tile`), while `each_tile`
+// holds `y` mutably borrowed.
+unsafe impl Sync for Columns {}
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {

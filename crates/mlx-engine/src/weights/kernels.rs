@@ -2,7 +2,7 @@
 //! whole model.
 
 use crate::error::{Error, Result};
-use crate::weights::few_rows;
+use crate::weights::{few_rows, packed_product};
 
 /// Which products multiply dense f32 weights on the CPU.
 ///
@@ -73,6 +73,14 @@ impl Products {
         self.kernels == Kernels::Native
             && self.device == mlx_support::ComputeDevice::Cpu
             && few_rows::holds_in_panels(outputs, dtype)
+    }
+
+    /// Whether packed weights quantized as `q`, when they are unpacked on
+    /// use, are multiplied by [`packed_product`]'s kernel.
+    pub(crate) fn multiplies_packed(&self, q: mlx_support::Quantization) -> bool {
+        self.kernels == Kernels::Native
+            && self.device == mlx_support::ComputeDevice::Cpu
+            && packed_product::runs(q)
     }
 }
 

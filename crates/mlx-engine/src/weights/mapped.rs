@@ -27,6 +27,7 @@ use crate::weights::quantized::QuantizedWeights;
 use crate::weights::rows::GatheredRows;
 use crate::weights::slices::{head_slice_rows, in_row_slices};
 use crate::weights::unpack::dequantize_f32;
+use crate::weights::{few_rows, packed_product};
 
 /// One table in the files: its weight and, when packed, its scales and
 /// biases, all `vocab` rows long.
@@ -46,6 +47,9 @@ struct Packing {
     q: Quantization,
     /// The head uses MLX's quantized product (Apple GPUs).
     quantized_head: bool,
+    /// The head is multiplied by the packed kernel where it takes a slice,
+    /// as the resident head is (see `Packed::on_host`).
+    on_host: bool,
     /// Unpacked rows come out in f32: the resident table of this mode is
     /// dequantized to f32 at load.
     f32_rows: bool,
@@ -70,16 +74,16 @@ impl MappedTable {
         }
     }
 
-    /// A packed table: `keys` are its weight, scales and biases. `as_head`
-    /// and `mode` say what the resident table would have been, whose
-    /// results this one repeats.
+    /// A packed table: `keys` are its weight, scales and biases. `as_head`,
+    /// `mode` and `on_host` (the packed kernel multiplies it) say what the
+    /// resident table would have been, whose results this one repeats.
     pub fn packed(
         set: Arc<SafetensorsSet>,
         [weight, scales, biases]: [String; 3],
         q: Quantization,
         vocab: usize,
         dim: usize,
-        mode: QuantizedWeights,
+        (mode, on_host): (QuantizedWeights, bool),
         as_head: bool,
     ) -> MappedTable {
         MappedTable {
@@ -90,6 +94,7 @@ impl MappedTable {
                 biases,
                 q,
                 quantized_head: mode == QuantizedWeights::Keep,
+                on_host: on_host && mode == QuantizedWeights::DequantizeOnUse,
                 f32_rows: as_head && mode == QuantizedWeights::DequantizeF32,
             }),
             vocab,
@@ -166,7 +171,15 @@ impl MappedTable {
     /// `x · tableᵀ`: the tied output projection, `(…, vocab)`, a slice of
     /// rows read at a time.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        in_row_slices(self.vocab, head_slice_rows(self.dim), |range| {
+        let mut step = head_slice_rows(self.dim);
+        let kernel = self.packing.as_ref().is_some_and(|p| p.on_host)
+            && self.vocab.is_multiple_of(few_rows::PANEL);
+        if kernel {
+            // Slices the kernel takes whole, so that every output is its
+            // sum, as in the resident head's one product.
+            step = (step / few_rows::PANEL).max(1) * few_rows::PANEL;
+        }
+        in_row_slices(self.vocab, step, |range| {
             // A dense table's rows, multiplied as the resident head's are.
             let Some(p) = &self.packing else {
                 let rows = self.read_tensor(&self.weight, std::slice::from_ref(&range))?;
@@ -177,6 +190,21 @@ impl MappedTable {
                 .packing
                 .as_ref()
                 .ok_or_else(|| self.missing(&p.scales))?;
+            if kernel {
+                let n = range.len();
+                let product = packed_product::product(
+                    x,
+                    &rows.weight,
+                    scales,
+                    biases,
+                    p.q,
+                    0..n,
+                    0..self.dim,
+                )?;
+                if let Some(y) = product {
+                    return Ok(y);
+                }
+            }
             Ok(if p.quantized_head {
                 let (gs, bits) = (p.q.group_size, p.q.bits);
                 mlx_rs::ops::quantized_matmul(x, &rows.weight, scales, biases, true, gs, bits)?
@@ -353,7 +381,7 @@ mod tests {
         };
         let keys = ["t.weight", "t.scales", "t.biases"].map(String::from);
         let mode = QuantizedWeights::DequantizeOnUse;
-        let mapped = MappedTable::packed(set, keys, q, vocab, dim, mode, true);
+        let mapped = MappedTable::packed(set, keys, q, vocab, dim, (mode, false), true);
         let resident = crate::weights::Embedding::Packed {
             weight,
             packed: crate::weights::Packed {
@@ -361,6 +389,7 @@ mod tests {
                 biases,
                 q,
                 dequantize_on_use: true,
+                on_host: false,
             },
         };
         let head = mapped.as_linear(&x).unwrap();

@@ -13,6 +13,7 @@ pub(crate) mod layers;
 pub(crate) mod mapped;
 pub(crate) mod memory_mode;
 pub(crate) mod packed;
+pub(crate) mod packed_product;
 pub(crate) mod quantized;
 pub(crate) mod routed;
 pub(crate) mod rows;
@@ -152,6 +153,7 @@ impl Weights<'_> {
             biases: self.array(&module.join("biases"), &groups)?,
             q,
             dequantize_on_use: self.mode != QuantizedWeights::Keep,
+            on_host: self.products.multiplies_packed(q),
         };
         Ok(Some((weight, packed)))
     }
@@ -310,7 +312,7 @@ impl Weights<'_> {
             q,
             vocab,
             dim,
-            self.mode,
+            (self.mode, self.products.multiplies_packed(q)),
             as_head,
         ))))
     }
@@ -421,6 +423,7 @@ impl Linear {
                 biases,
                 q,
                 dequantize_on_use: true,
+                on_host: false,
             }),
         }
     }
@@ -453,6 +456,20 @@ impl OnUse<'_> {
     /// groups.
     pub(crate) fn product_with_columns(&self, x: &Array, columns: Range<usize>) -> Result<Array> {
         let p = self.packed;
+        if p.on_host {
+            let kernel = packed_product::product(
+                x,
+                self.weight,
+                &p.scales,
+                &p.biases,
+                p.q,
+                0..self.outputs(),
+                columns.clone(),
+            )?;
+            if let Some(y) = kernel {
+                return Ok(y);
+            }
+        }
         let (words, groups, _) = packed_span(p.q, columns);
         // Contiguous copies of the packed columns (an eighth of the f32
         // slice at 4 bits): the unpacking reads its words as bytes.

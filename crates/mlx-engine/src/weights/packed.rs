@@ -10,6 +10,7 @@ use mlx_rs::Array;
 use mlx_support::Quantization;
 
 use crate::error::Result;
+use crate::weights::packed_product;
 use crate::weights::slices::{in_row_slices, slice_rows};
 use crate::weights::unpack::dequantize_f32;
 
@@ -20,6 +21,10 @@ pub(crate) struct Packed {
     pub q: Quantization,
     /// Dequantize before each product instead of MLX's quantized matmul.
     pub dequantize_on_use: bool,
+    /// With `dequantize_on_use`: multiply by [`packed_product`]'s kernel
+    /// (reading the packed words) where it takes the product, unpacking
+    /// only where it does not.
+    pub on_host: bool,
 }
 
 impl Packed {
@@ -44,6 +49,21 @@ impl Packed {
         weight: &Array,
         rows: Range<usize>,
     ) -> Result<Array> {
+        if self.on_host {
+            let columns = 0..x.dim(-1) as usize;
+            let kernel = packed_product::product(
+                x,
+                weight,
+                &self.scales,
+                &self.biases,
+                self.q,
+                rows.clone(),
+                columns,
+            )?;
+            if let Some(y) = kernel {
+                return Ok(y);
+            }
+        }
         let r = rows.start as i32..rows.end as i32;
         let dense = dequantize_f32(
             &weight.index(r.clone()),
@@ -58,6 +78,21 @@ impl Packed {
     /// slice of rows at a time (see [`in_row_slices`]).
     pub(crate) fn product_in_slices(&self, x: &Array, weight: &Array) -> Result<Array> {
         let (rows, dim) = (weight.dim(0) as usize, x.dim(-1) as usize);
+        if self.on_host {
+            // No dense slice to bound: the whole product at once.
+            let kernel = packed_product::product(
+                x,
+                weight,
+                &self.scales,
+                &self.biases,
+                self.q,
+                0..rows,
+                0..dim,
+            )?;
+            if let Some(y) = kernel {
+                return Ok(y);
+            }
+        }
         in_row_slices(rows, slice_rows(dim), |r| {
             self.product_with_rows(x, weight, r)
         })
