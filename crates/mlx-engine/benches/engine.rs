@@ -30,6 +30,9 @@
 //! from the page cache: Linux), `--llama-cpp` (xtask installs
 //! llama-cpp-python, built for this CPU, into the interop venv).
 //!
+//! `--profile` prints, under each of our rows, the busy time of the
+//! engine's spans (prefill and decode per chunk) summed over the run.
+//!
 //! llama.cpp (`llama_cpp_peer.py`) runs beside SmolLM2's 4-bit folder on
 //! the GGUF that folder was imported from, one conversation at a time (the
 //! prefix's state saved once and loaded per conversation), once per
@@ -97,6 +100,15 @@ fn child(
     // docs). mlx_lm's runs keep the allocator's defaults: it was measured
     // no faster with this setting (docs/mlx-engine.md).
     mlx_support::retain_freed_memory();
+    if options.split(',').any(|o| o == "profile") {
+        // The engine's spans, each printed with its time as it closes.
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("mlx_engine=debug"))
+            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .init();
+    }
     let at_start = mlx_support::ProcessMemory::read();
     let convs = conversations(n, system_words);
     let mut config = EngineConfig::new(dir)
@@ -150,6 +162,50 @@ fn child(
         kib(mlx_peak),
         mlx_engine::expert_bytes_read(),
     );
+}
+
+/// `--profile`: the engine's spans in a child's run (`chunk`, and within
+/// it `prefill` and `decode`; `prefix_prefill`), each span's busy time
+/// summed over the run, from the lines the child's subscriber printed as
+/// each span closed. With lanes, chunks overlap: the sums can pass the
+/// wall time.
+fn print_profile(stderr: &str) {
+    let mut spans: Vec<(String, f64, usize)> = Vec::new();
+    for line in stderr.lines() {
+        let Some((context, times)) = line.split_once(" close time.busy=") else {
+            continue;
+        };
+        let busy = times.split_whitespace().next().unwrap_or_default();
+        let seconds = [("ns", 1e-9), ("µs", 1e-6), ("ms", 1e-3), ("s", 1.0)]
+            .iter()
+            .find_map(|(unit, scale)| {
+                busy.strip_suffix(unit)?
+                    .parse::<f64>()
+                    .ok()
+                    .map(|v| v * scale)
+            });
+        // `… chunk{rows=8}:decode{rows=8 max_tokens=32}: mlx_engine::…:`
+        let path = context
+            .rsplit_once(": mlx_engine")
+            .map_or(context, |(p, _)| p);
+        let name = path.rsplit(':').next().unwrap_or_default();
+        // The span's name, after the time and level of a top-level one.
+        let name = name.split('{').next().unwrap_or_default();
+        let name = name.split_whitespace().last().unwrap_or_default();
+        let (Some(seconds), false) = (seconds, name.is_empty()) else {
+            continue;
+        };
+        match spans.iter_mut().find(|(n, _, _)| n == name) {
+            Some((_, total, count)) => {
+                *total += seconds;
+                *count += 1;
+            }
+            None => spans.push((name.to_owned(), seconds, 1)),
+        }
+    }
+    for (name, total, count) in spans {
+        println!("  profile: {name:<15} {total:8.3} s busy in {count} spans");
+    }
 }
 
 /// The child's memory mode: set either way, so that the rows do not depend
@@ -717,6 +773,7 @@ impl ModelBench {
                         evict_model_files(&dir);
                     }
                     let exe = std::env::current_exe().unwrap();
+                    let profile = args.iter().any(|a| a == "--profile");
                     let ours = Command::new(exe)
                         .args(["child"])
                         .arg(&dir)
@@ -725,10 +782,17 @@ impl ModelBench {
                             self.system_words.to_string(),
                             batch.clone(),
                             max_tokens.clone(),
-                            flag.clone(),
+                            if profile {
+                                format!("{flag},profile")
+                            } else {
+                                flag.clone()
+                            },
                         ])
                         .output()
                         .unwrap();
+                    if profile {
+                        print_profile(&String::from_utf8_lossy(&ours.stderr));
+                    }
                     if !ours.status.success() {
                         println!(
                             "{label} failed: {}",
