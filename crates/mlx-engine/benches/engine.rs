@@ -44,6 +44,7 @@ use std::process::Command;
 use mlx_engine::{EngineConfig, GenerateOptions, MemoryMode, Message, MlxEngine};
 
 mod gemma4_e2b;
+mod peers;
 mod qwen3_moe_shaped;
 
 fn words(seed: usize, n: usize) -> String {
@@ -162,50 +163,6 @@ fn child(
         kib(mlx_peak),
         mlx_engine::expert_bytes_read(),
     );
-}
-
-/// `--profile`: the engine's spans in a child's run (`chunk`, and within
-/// it `prefill` and `decode`; `prefix_prefill`), each span's busy time
-/// summed over the run, from the lines the child's subscriber printed as
-/// each span closed. With lanes, chunks overlap: the sums can pass the
-/// wall time.
-fn print_profile(stderr: &str) {
-    let mut spans: Vec<(String, f64, usize)> = Vec::new();
-    for line in stderr.lines() {
-        let Some((context, times)) = line.split_once(" close time.busy=") else {
-            continue;
-        };
-        let busy = times.split_whitespace().next().unwrap_or_default();
-        let seconds = [("ns", 1e-9), ("µs", 1e-6), ("ms", 1e-3), ("s", 1.0)]
-            .iter()
-            .find_map(|(unit, scale)| {
-                busy.strip_suffix(unit)?
-                    .parse::<f64>()
-                    .ok()
-                    .map(|v| v * scale)
-            });
-        // `… chunk{rows=8}:decode{rows=8 max_tokens=32}: mlx_engine::…:`
-        let path = context
-            .rsplit_once(": mlx_engine")
-            .map_or(context, |(p, _)| p);
-        let name = path.rsplit(':').next().unwrap_or_default();
-        // The span's name, after the time and level of a top-level one.
-        let name = name.split('{').next().unwrap_or_default();
-        let name = name.split_whitespace().last().unwrap_or_default();
-        let (Some(seconds), false) = (seconds, name.is_empty()) else {
-            continue;
-        };
-        match spans.iter_mut().find(|(n, _, _)| n == name) {
-            Some((_, total, count)) => {
-                *total += seconds;
-                *count += 1;
-            }
-            None => spans.push((name.to_owned(), seconds, 1)),
-        }
-    }
-    for (name, total, count) in spans {
-        println!("  profile: {name:<15} {total:8.3} s busy in {count} spans");
-    }
 }
 
 /// The child's memory mode: set either way, so that the rows do not depend
@@ -580,52 +537,6 @@ impl ModelBench {
 
     /// `fixture/variant`, or a folder beside `work` that links its files
     /// and adds the chat template.
-    /// llama.cpp on the GGUF the 4-bit folder `dir` was imported from, on
-    /// the same `n` conversations, where `MLX_LOWMEM_PYTHON` has
-    /// llama-cpp-python (`cargo xtask bench engine --llama-cpp` installs
-    /// it).
-    fn llama_cpp(&self, fixture: &Path, dir: &Path, temp: &Path, n: usize, max_tokens: &str) {
-        let Some(gguf) = self.gguf.map(|g| fixture.join(g)) else {
-            return;
-        };
-        let Ok(python) = std::env::var("MLX_LOWMEM_PYTHON") else {
-            return;
-        };
-        let has = Command::new(&python)
-            .args(["-c", "import llama_cpp"])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !has {
-            println!("(llama.cpp not run: no llama_cpp in {python}; `cargo xtask bench engine --llama-cpp` installs it)");
-            return;
-        }
-        let convs = temp.join(format!("conversations-{n}.json"));
-        write_conversations(&convs, n, self.system_words);
-        let threads = std::thread::available_parallelism().map_or(1, usize::from);
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/llama_cpp_peer.py");
-        let out = Command::new(&python)
-            .arg(script)
-            .arg(dir)
-            .arg(&gguf)
-            .arg(&convs)
-            .arg(max_tokens)
-            .arg(threads.to_string())
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        let label = format!(
-            "q4 max_tokens {max_tokens} llama.cpp {} ({}, {threads} threads, one conversation at a time)",
-            gguf.file_name().unwrap_or_default().to_string_lossy(),
-            text.lines().next().unwrap_or_default()
-        );
-        if out.status.success() {
-            report(&label, text.lines().last().unwrap_or_default(), None);
-        } else {
-            let err = String::from_utf8_lossy(&out.stderr);
-            println!("{label} failed: {}", err.lines().last().unwrap_or_default());
-        }
-    }
-
     fn folder(&self, fixture: &Path, variant: &str, work: &Path) -> PathBuf {
         let dir = fixture.join(variant);
         let Some(template) = self.chat_template else {
@@ -791,7 +702,7 @@ impl ModelBench {
                         .output()
                         .unwrap();
                     if profile {
-                        print_profile(&String::from_utf8_lossy(&ours.stderr));
+                        peers::print_profile(&String::from_utf8_lossy(&ours.stderr));
                     }
                     if !ours.status.success() {
                         println!(
@@ -811,7 +722,15 @@ impl ModelBench {
                 if variant == "q4" && list(args, "--batches", self.batches).first() == Some(&batch)
                 {
                     // One conversation at a time: the same for every batch.
-                    self.llama_cpp(fixture, &dir, temp, n, &max_tokens);
+                    if let Some(gguf) = self.gguf {
+                        peers::llama_cpp(
+                            &fixture.join(gguf),
+                            &dir,
+                            temp,
+                            (n, self.system_words),
+                            &max_tokens,
+                        );
+                    }
                 }
                 let Some(python) = python else { continue };
                 for &(mode, label) in self.modes {

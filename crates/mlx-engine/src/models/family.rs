@@ -11,6 +11,7 @@ use crate::distributed::stage::Stage;
 use crate::error::Result;
 use crate::models::config::{FamilySettings, ModelConfig};
 use crate::nn::cache::KvCache;
+use crate::weights::layers::Schedule;
 use crate::weights::{KeyPath, Weights};
 
 /// A loaded decoder (or the layers of it one pipeline stage holds).
@@ -35,8 +36,8 @@ pub(crate) trait Decoder {
     /// The hidden states' dtype, where this decoder embeds tokens.
     fn hidden_dtype(&self) -> Result<Option<Dtype>>;
 
-    /// Whether the layers are read from the files at each forward.
-    fn streams_layers(&self) -> bool;
+    /// How generation runs this decoder's forwards (its layers decide).
+    fn schedule(&self) -> Schedule;
 }
 
 /// A model family: the `model_type`s it reads, its part of `config.json`,

@@ -15,7 +15,7 @@ use crate::nn::experts::{Experts, Routing, TAKEN_AT_ONCE};
 use crate::nn::fused::silu_mul;
 use crate::nn::mlp::gated_mlp;
 use crate::nn::rope::Positions;
-use crate::weights::layers::{Forward, Layers};
+use crate::weights::layers::{Forward, Layers, Schedule};
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
 
 /// Where the llama family's text decoder keeps its weights.
@@ -327,8 +327,8 @@ impl Decoder for Llama {
         }
     }
 
-    fn streams_layers(&self) -> bool {
-        self.layers.streamed()
+    fn schedule(&self) -> Schedule {
+        self.layers.schedule()
     }
 
     /// The final norm and the output projection (or the tied embedding).

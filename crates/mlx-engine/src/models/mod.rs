@@ -23,6 +23,7 @@ use crate::models::config::ModelConfig;
 use crate::models::family::{Decoder, Family};
 use crate::nn::cache::KvCache;
 use crate::weights::kernels::{Kernels, Products};
+pub(crate) use crate::weights::layers::Schedule;
 use crate::weights::Weights;
 
 pub use crate::weights::memory_mode::MemoryMode;
@@ -426,9 +427,9 @@ impl Model {
             .collect())
     }
 
-    /// Whether the layers are read from the files at each forward.
-    pub(crate) fn streams_layers(&self) -> bool {
-        self.decoder.streams_layers()
+    /// How generation runs this model's forwards.
+    pub(crate) fn schedule(&self) -> Schedule {
+        self.decoder.schedule()
     }
 
     /// Each forward's last hidden states; with `last_only`, possibly of

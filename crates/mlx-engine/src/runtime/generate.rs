@@ -9,7 +9,7 @@ use mlx_support::distributed::Group;
 
 use crate::distributed::{self, Placement};
 use crate::error::EngineError;
-use crate::models::Model;
+use crate::models::{Model, Schedule};
 use crate::nn::cache::KvCache;
 use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
 use crate::runtime::options::{GenerateOptions, LogitsProcessor, PrefixCache};
@@ -107,8 +107,7 @@ impl GenState {
             }
             prefix_cache.eval()?;
         }
-        // Streamed layers run one chunk at a time, on the worker.
-        let lanes = if model.streams_layers() { 1 } else { lanes };
+        let lanes = model.schedule().lanes(lanes);
         #[expect(
             clippy::arc_with_non_send_sync,
             reason = "the Arc crosses to the lanes only inside a ForLanes, which says why that is sound"
@@ -450,9 +449,9 @@ fn generate_chunk(
     let groups = prefill_groups(&lengths, model.pass_cost_tokens());
     let one_piece =
         |g: &std::ops::Range<usize>| lengths[g.clone()].iter().all(|&n| n <= PREFILL_CHUNK);
-    if model.streams_layers() && groups.iter().all(one_piece) {
-        // Every group in one forward, layer by layer: each streamed layer
-        // is read once for the whole chunk.
+    if model.schedule() == Schedule::LayerByLayer && groups.iter().all(one_piece) {
+        // Every group in one forward, layer by layer: each layer is read
+        // once for the whole chunk.
         let mut blocks = Vec::with_capacity(groups.len());
         for group in &groups {
             let mut cache = prefix_cache.fork(group.len() as i32)?;

@@ -28,7 +28,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use mlx_rs::Array;
 
-use crate::models::Model;
+use crate::models::{Model, Schedule};
 use crate::nn::cache::KvCache;
 
 /// How many chunks an engine runs side by side unless told
@@ -117,13 +117,13 @@ unsafe impl Send for ForLanes {}
 
 impl ForLanes {
     /// The lanes' view of `model` and `prefix_cache`, or `None` when the
-    /// model streams its layers (one chunk at a time, on the worker).
+    /// model's schedule runs one chunk at a time, on the worker.
     pub(crate) fn new(
         model: &Arc<Model>,
         prefix_cache: &Arc<KvCache>,
         eos: &[u32],
     ) -> crate::Result<Option<ForLanes>> {
-        if model.streams_layers() {
+        if model.schedule() == Schedule::LayerByLayer {
             return Ok(None);
         }
         prefix_cache.eval()?;

@@ -42,6 +42,31 @@ enum Held<L> {
     Streamed(Box<Stream<L>>),
 }
 
+/// How generation runs a model's forwards: what where its layers live asks
+/// of it, so that generation follows a schedule and never reads the memory
+/// mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Schedule {
+    /// The layers are in memory: chunks may run side by side (lanes), and
+    /// each prefill group is a forward of its own, evaluated before the
+    /// next one runs.
+    Independent,
+    /// The layers are read from the files at each forward: one chunk at a
+    /// time, on the worker, and a chunk's prefill groups in one forward
+    /// layer by layer, so that each layer is read once for all of them.
+    LayerByLayer,
+}
+
+impl Schedule {
+    /// The lanes to run, of `wanted`.
+    pub(crate) fn lanes(self, wanted: usize) -> usize {
+        match self {
+            Schedule::Independent => wanted,
+            Schedule::LayerByLayer => 1,
+        }
+    }
+}
+
 /// What builds a streamed layer each time it runs.
 pub(crate) struct Stream<L> {
     streamer: Mutex<BlockStreamer>,
@@ -123,8 +148,17 @@ impl<L> Layers<L> {
     }
 
     /// Whether the layers are read from the files at each forward.
-    pub(crate) fn streamed(&self) -> bool {
+    fn streamed(&self) -> bool {
         matches!(self.held, Held::Streamed(_))
+    }
+
+    /// How generation runs forwards over these layers.
+    pub(crate) fn schedule(&self) -> Schedule {
+        if self.streamed() {
+            Schedule::LayerByLayer
+        } else {
+            Schedule::Independent
+        }
     }
 
     /// The hidden states of independent forwards of `tokens` over

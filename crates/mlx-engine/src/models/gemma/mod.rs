@@ -29,7 +29,7 @@ use crate::models::gemma::ops::{norm, scalar};
 use crate::models::gemma::per_layer::{PerLayerInputs, PerLayerSource};
 use crate::nn::cache::{KvCache, LayerMask};
 use crate::nn::rope::Positions;
-use crate::weights::layers::Layers;
+use crate::weights::layers::{Layers, Schedule};
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
 
 /// Where a checkpoint keeps the text decoder's weights.
@@ -213,9 +213,8 @@ impl Decoder for Gemma {
         }
     }
 
-    /// Whether the layers are read from the files at each forward.
-    fn streams_layers(&self) -> bool {
-        self.layers.streamed()
+    fn schedule(&self) -> Schedule {
+        self.layers.schedule()
     }
 
     /// The final norm, the output head and Gemma 4's softcap.
