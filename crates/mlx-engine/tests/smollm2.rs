@@ -159,7 +159,8 @@ fn answers_as_mlx_lm(
 }
 
 /// Q4_1 maps exactly onto MLX's 4-bit affine format, so the quantized import
-/// run with MLX's quantized matmul agrees with the f32 import.
+/// run with MLX's quantized matmul agrees with the f32 import; and its decode
+/// steps with the packed kernel agree with unpack-then-BLAS.
 #[test]
 fn quantized_import_agrees_with_f32_import() {
     let (Some(f32_dir), Some(q4_dir)) = (fixture("f32"), fixture("q4")) else {
@@ -192,6 +193,60 @@ fn quantized_import_agrees_with_f32_import() {
             "{mode:?}: quantized and f32 logits differ by up to {worst}"
         );
     }
+
+    // A decode step (one row after the prompt's cache, then two rows):
+    // under `DequantizeOnUse` the native kernels multiply the packed words
+    // directly where the CPU has AVX-512 (unpacking to the same values and
+    // summing in another order), the portable ones unpack for BLAS.
+    let step = |kernels| {
+        let model = Model::loader(&q4_dir)
+            .quantized(QuantizedWeights::DequantizeOnUse)
+            .kernels(kernels)
+            .load()
+            .unwrap();
+        let mut cache = KvCache::new();
+        model.forward(&input, &mut cache).unwrap();
+        let one = model
+            .forward(&Array::from_slice(&[ids[3]], &[1, 1]), &mut cache)
+            .unwrap();
+        let mut two = cache.fork(2).unwrap();
+        let both = model
+            .forward(&Array::from_slice(&[ids[4], ids[5]], &[2, 1]), &mut two)
+            .unwrap();
+        let flat = mlx_rs::ops::concatenate(
+            &[
+                one.flatten(None, None).unwrap(),
+                both.flatten(None, None).unwrap(),
+            ],
+            0,
+        )
+        .unwrap();
+        flat.eval().unwrap();
+        flat.as_slice::<f32>().to_vec()
+    };
+    let (native, portable) = (step(Kernels::Native), step(Kernels::Portable));
+    let worst = largest_difference(&native, &portable);
+    assert!(
+        worst <= 1e-3,
+        "decode steps: native and portable kernels differ by up to {worst}"
+    );
+    let vocab = native.len() / 3;
+    let argmax = |v: &[f32]| {
+        v.chunks(vocab)
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .unwrap()
+                    .0
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        argmax(&native),
+        argmax(&portable),
+        "decode steps pick other tokens"
+    );
 }
 
 /// The embedding table left in its file (with the tied head computed in
