@@ -164,28 +164,41 @@ pub(crate) fn multiply(
     each_tile(rows, count, y, threads, |tile| {
         let x = &x[tile.row * inputs..(tile.row + tile.rows) * inputs];
         let panel = &panels[tile.panel * panel_len..][..panel_len];
-        #[cfg(target_arch = "x86_64")]
         // SAFETY: `multiply` checked that the CPU has AVX-512F; `x` is
         // `tile.rows` rows of `inputs`, `panel` is `inputs × PANEL`, and the
         // tile's sums are its own (`each_tile`).
-        unsafe {
-            match tile.rows {
-                1 => avx512::tile::<1>(x, inputs, panel, tile.y, tile.stride),
-                2 => avx512::tile::<2>(x, inputs, panel, tile.y, tile.stride),
-                3 => avx512::tile::<3>(x, inputs, panel, tile.y, tile.stride),
-                4 => avx512::tile::<4>(x, inputs, panel, tile.y, tile.stride),
-                5 => avx512::tile::<5>(x, inputs, panel, tile.y, tile.stride),
-                6 => avx512::tile::<6>(x, inputs, panel, tile.y, tile.stride),
-                7 => avx512::tile::<7>(x, inputs, panel, tile.y, tile.stride),
-                _ => avx512::tile::<8>(x, inputs, panel, tile.y, tile.stride),
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (x, panel);
-            unreachable!("few_rows::multiply checks supported()");
-        }
+        unsafe { panel_tile(x, inputs, panel, &tile) };
     });
+}
+
+/// `tile`'s sums: its `x` `(tile.rows, inputs)` times `panel` `(inputs,
+/// PANEL)`, each output summed in the inputs' order with fused
+/// multiply-adds, written through `tile.y`.
+///
+/// # Safety
+/// The CPU has AVX-512F ([`supported`]); `x.len() == tile.rows · inputs`,
+/// `panel.len() == inputs · PANEL`, `tile.rows <= TILE_ROWS`, and the tile's
+/// sums are writable and its own (as [`each_tile`] hands them out).
+pub(crate) unsafe fn panel_tile(x: &[f32], inputs: usize, panel: &[f32], tile: &Tile) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as the caller promises.
+    unsafe {
+        match tile.rows {
+            1 => avx512::tile::<1>(x, inputs, panel, tile.y, tile.stride),
+            2 => avx512::tile::<2>(x, inputs, panel, tile.y, tile.stride),
+            3 => avx512::tile::<3>(x, inputs, panel, tile.y, tile.stride),
+            4 => avx512::tile::<4>(x, inputs, panel, tile.y, tile.stride),
+            5 => avx512::tile::<5>(x, inputs, panel, tile.y, tile.stride),
+            6 => avx512::tile::<6>(x, inputs, panel, tile.y, tile.stride),
+            7 => avx512::tile::<7>(x, inputs, panel, tile.y, tile.stride),
+            _ => avx512::tile::<8>(x, inputs, panel, tile.y, tile.stride),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (x, inputs, panel, tile);
+        unreachable!("the panel kernels check supported()");
+    }
 }
 
 /// Rows a kernel sums at once: two registers of sums each, sixteen in all.
@@ -206,7 +219,9 @@ pub(crate) struct Tile {
 /// Calls `kernel` on every tile of `y` `(rows, count · PANEL)`, the panels
 /// shared out over `threads`. Each tile's `PANEL` columns of its rows are
 /// its own: no other call writes them, so a kernel may write all of them
-/// through [`Tile::y`] (and nothing else).
+/// through [`Tile::y`] (and nothing else). A panel's tiles come one after
+/// another, in the rows' order, on one thread: a kernel may prepare a
+/// panel at its first tile (`row == 0`) and use it for the rest.
 ///
 /// # Panics
 /// When `y` is not `rows × count · PANEL` floats.

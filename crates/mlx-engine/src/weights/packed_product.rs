@@ -11,16 +11,20 @@
 //! unpacked in registers as `scale · q + bias` (a product, then a sum: the
 //! same f32 values MLX's unpacking gives) and multiplied by up to eight
 //! rows at once, each output summed in the inputs' order with fused
-//! multiply-adds. So the packed bytes are read once per eight rows, no
-//! dense matrix is written, and nothing is laid out at load: resident,
+//! multiply-adds. For more than eight rows each 32 outputs' values are
+//! unpacked once into a small buffer in [`few_rows`]' panel layout and the
+//! dense panel kernel multiplies every eight rows by it: the same values
+//! and the same sums, so a row's result does not depend on its batch. No
+//! dense matrix is written and nothing is laid out at load: resident,
 //! mapped and streamed weights all run here, with the same bits. The
 //! result differs from unpack-then-BLAS only by the order of the sums, as
 //! [`few_rows`]' differs from BLAS.
 //!
-//! Runs for 4 bits, with f32, bfloat16 or float16 scales, on 32 outputs at a time
-//! and whole quantization groups, where the CPU has AVX-512F and the load
-//! chose the native kernels (`kernels::Products`); everything else is
-//! unpacked and multiplied by MLX.
+//! Runs for 4 bits, with f32, bfloat16 or float16 scales, on 32 outputs
+//! at a time and whole quantization groups, for up to [`MAX_ROWS`] rows,
+//! where the CPU has AVX-512F and the load chose the native kernels
+//! (`kernels::Products`); everything else is unpacked and multiplied by
+//! MLX.
 
 use std::ops::Range;
 
@@ -29,15 +33,16 @@ use mlx_rs::{Array, Dtype};
 use mlx_support::Quantization;
 
 use crate::error::Result;
-use crate::weights::few_rows::{self, host_f32, Tile, PANEL};
+use crate::weights::few_rows::{self, host_f32, Tile, PANEL, TILE_ROWS};
 
-/// Rows the kernel takes at most. It unpacks every word again for each
-/// tile of eight rows, while unpacking once to f32 and handing the product
-/// to BLAS costs the same for any number of rows: on SmolLM2 (2-core
-/// Xeon, OpenBLAS SkylakeX kernels) a prefill of hundreds of rows ran at
-/// 0.6× of unpack-then-BLAS through the kernel, and a decode step of 8
-/// rows 1.3× faster (docs/benchmarks.md).
-pub(crate) const MAX_ROWS: usize = 16;
+/// Rows the kernel takes at most: a decode step up to batch 32. Past one
+/// tile of eight rows it unpacks each panel once into a buffer that the
+/// dense panel kernel multiplies (the same values and sums), which on
+/// SmolLM2 (2-core Xeon, OpenBLAS SkylakeX kernels) made 32-token
+/// generation at batch 32 faster than unpack-then-BLAS (3.65 vs 3.16
+/// conv/s) while prefills of hundreds of rows ran 5–15% slower through it
+/// (docs/benchmarks.md); so prefills unpack and go to BLAS.
+pub(crate) const MAX_ROWS: usize = 32;
 
 /// Whether the kernel multiplies weights quantized as `q` on this CPU.
 pub(crate) fn runs(q: Quantization) -> bool {
@@ -205,42 +210,103 @@ fn multiply(m: &Matrix<'_>, x: &[f32], rows: usize, y: &mut [f32], threads: usiz
             && few_rows::supported(),
         "packed_product::multiply: lengths do not fit, or no AVX-512"
     );
+    if rows <= TILE_ROWS {
+        // One tile of rows: each word unpacked in registers as it is used.
+        few_rows::each_tile(rows, count, y, threads, |tile: Tile| {
+            // SAFETY: `multiply` checked AVX-512F and that the panel's
+            // outputs and columns are inside the arrays (`fits`); `x` is
+            // `tile.rows` rows of `m.inputs`; the tile's sums are its own
+            // (`each_tile`).
+            unsafe { packed_tile(m, x, &tile) };
+        });
+        return;
+    }
+    // More rows: each panel unpacked once, to the same values, into a
+    // buffer in `few_rows`' panel layout, which the dense kernel then
+    // multiplies by every tile of rows (the same sums in the same order).
     few_rows::each_tile(rows, count, y, threads, |tile: Tile| {
-        let x = &x[tile.row * m.inputs..(tile.row + tile.rows) * m.inputs];
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `multiply` checked AVX-512F and that the panel's outputs
-        // and columns are inside the arrays (`fits`); `x` is `tile.rows`
-        // rows of `m.inputs`; the tile's sums are its own (`each_tile`).
-        unsafe {
-            match tile.rows {
-                1 => avx512::tile::<1>(m, x, &tile),
-                2 => avx512::tile::<2>(m, x, &tile),
-                3 => avx512::tile::<3>(m, x, &tile),
-                4 => avx512::tile::<4>(m, x, &tile),
-                5 => avx512::tile::<5>(m, x, &tile),
-                6 => avx512::tile::<6>(m, x, &tile),
-                7 => avx512::tile::<7>(m, x, &tile),
-                _ => avx512::tile::<8>(m, x, &tile),
+        UNPACKED.with_borrow_mut(|panel| {
+            if tile.row == 0 {
+                panel.resize(m.inputs * PANEL, 0.0);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX-512F and the panel inside the arrays (checked
+                // by `multiply`); `panel` holds `inputs × PANEL` floats.
+                unsafe {
+                    avx512::unpack(m, tile.panel, panel);
+                }
             }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = x;
-            unreachable!("packed_product::multiply checks supported()");
-        }
+            let x = &x[tile.row * m.inputs..(tile.row + tile.rows) * m.inputs];
+            // SAFETY: AVX-512F (checked); `x` is `tile.rows` rows, `panel`
+            // this tile's panel, unpacked at its first tile (`each_tile`
+            // hands a panel's tiles out in order on one thread); the
+            // tile's sums are its own.
+            unsafe { few_rows::panel_tile(x, m.inputs, panel, &tile) };
+        });
     });
+}
+
+thread_local! {
+    /// The panel being multiplied on this thread, unpacked.
+    static UNPACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`avx512::tile`] for `tile.rows` rows.
+///
+/// # Safety
+/// As [`avx512::tile`]'s.
+unsafe fn packed_tile(m: &Matrix<'_>, x: &[f32], tile: &Tile) {
+    let x = &x[tile.row * m.inputs..(tile.row + tile.rows) * m.inputs];
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as the caller promises.
+    unsafe {
+        match tile.rows {
+            1 => avx512::tile::<1>(m, x, tile),
+            2 => avx512::tile::<2>(m, x, tile),
+            3 => avx512::tile::<3>(m, x, tile),
+            4 => avx512::tile::<4>(m, x, tile),
+            5 => avx512::tile::<5>(m, x, tile),
+            6 => avx512::tile::<6>(m, x, tile),
+            7 => avx512::tile::<7>(m, x, tile),
+            _ => avx512::tile::<8>(m, x, tile),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = x;
+        unreachable!("packed_product::multiply checks supported()");
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::{
-        _mm512_add_ps, _mm512_and_si512, _mm512_cvtepi32_ps, _mm512_fmadd_ps,
+        __m512, _mm512_add_ps, _mm512_and_si512, _mm512_cvtepi32_ps, _mm512_fmadd_ps,
         _mm512_i32gather_epi32, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mul_ps,
         _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_srli_epi32, _mm512_storeu_ps,
     };
 
     use super::{Matrix, PANEL};
     use crate::weights::few_rows::Tile;
+
+    /// The panel's `(inputs, PANEL)` values unpacked, as [`tile`] unpacks
+    /// them, into `out`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `m.fits` holds for the panel's outputs;
+    /// `out.len() == m.inputs * PANEL`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn unpack(m: &Matrix<'_>, panel: usize, out: &mut [f32]) {
+        debug_assert!(out.len() == m.inputs * PANEL);
+        // SAFETY: as the caller promises; each input's 32 values go to its
+        // own row of `out`.
+        unsafe {
+            each_input(m, panel, |k, v_low, v_high| {
+                let at = out.as_mut_ptr().add(k * PANEL);
+                _mm512_storeu_ps(at, v_low);
+                _mm512_storeu_ps(at.add(16), v_high);
+            });
+        }
+    }
 
     /// The `(R, PANEL)` sums of `x` `(R, m.inputs)` times `tile.panel`'s
     /// 32 outputs of `m`, written at `tile.y`, rows `tile.stride` apart.
@@ -254,7 +320,39 @@ mod avx512 {
     pub(super) unsafe fn tile<const R: usize>(m: &Matrix<'_>, x: &[f32], tile: &Tile) {
         let inputs = m.inputs;
         debug_assert!(x.len() == R * inputs);
-        let first_row = m.first_output + tile.panel * PANEL;
+        let mut low = [_mm512_setzero_ps(); R];
+        let mut high = [_mm512_setzero_ps(); R];
+        // SAFETY: as the caller promises; `k < inputs`, inside `x`'s rows.
+        unsafe {
+            each_input(m, tile.panel, |k, v_low, v_high| {
+                for r in 0..R {
+                    let b = _mm512_set1_ps(*x.get_unchecked(r * inputs + k));
+                    low[r] = _mm512_fmadd_ps(b, v_low, low[r]);
+                    high[r] = _mm512_fmadd_ps(b, v_high, high[r]);
+                }
+            });
+        }
+        for r in 0..R {
+            // SAFETY: row r's `PANEL` sums at `tile.y + r * tile.stride`
+            // (the caller).
+            unsafe {
+                let at = tile.y.add(r * tile.stride);
+                _mm512_storeu_ps(at, low[r]);
+                _mm512_storeu_ps(at.add(16), high[r]);
+            }
+        }
+    }
+
+    /// Calls `f(k, low, high)` for each input `k` of the panel in order,
+    /// with its 32 outputs' values unpacked (`scale · q + bias`, outputs
+    /// 0–15 in `low`, 16–31 in `high`).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `m.fits` holds for the panel's outputs.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn each_input(m: &Matrix<'_>, panel: usize, mut f: impl FnMut(usize, __m512, __m512)) {
+        let first_row = m.first_output + panel * PANEL;
         // Word offsets of the panel's 32 rows from its first row's.
         let offsets: [i32; PANEL] = std::array::from_fn(|j| (j * m.row_words) as i32);
         // SAFETY: 16 i32 each, inside `offsets`.
@@ -265,12 +363,10 @@ mod avx512 {
             )
         };
         let mask = _mm512_set1_epi32(15);
-        let mut low = [_mm512_setzero_ps(); R];
-        let mut high = [_mm512_setzero_ps(); R];
         let words_per_group = m.group_size / 8;
-        for g in 0..inputs / m.group_size {
-            let scales = m.panel_values(m.scales, tile.panel, g);
-            let biases = m.panel_values(m.biases, tile.panel, g);
+        for g in 0..m.inputs / m.group_size {
+            let scales = m.panel_values(m.scales, panel, g);
+            let biases = m.panel_values(m.biases, panel, g);
             // SAFETY: 16 f32 each, inside the arrays just made.
             let (s_low, s_high, b_low, b_high) = unsafe {
                 (
@@ -300,23 +396,8 @@ mod avx512 {
                     w_high = _mm512_srli_epi32::<4>(w_high);
                     let v_low = _mm512_add_ps(_mm512_mul_ps(q_low, s_low), b_low);
                     let v_high = _mm512_add_ps(_mm512_mul_ps(q_high, s_high), b_high);
-                    let k = column + e;
-                    for r in 0..R {
-                        // SAFETY: r < R and k < inputs, inside `x`.
-                        let b = _mm512_set1_ps(unsafe { *x.get_unchecked(r * inputs + k) });
-                        low[r] = _mm512_fmadd_ps(b, v_low, low[r]);
-                        high[r] = _mm512_fmadd_ps(b, v_high, high[r]);
-                    }
+                    f(column + e, v_low, v_high);
                 }
-            }
-        }
-        for r in 0..R {
-            // SAFETY: row r's `PANEL` sums at `tile.y + r * tile.stride`
-            // (the caller).
-            unsafe {
-                let at = tile.y.add(r * tile.stride);
-                _mm512_storeu_ps(at, low[r]);
-                _mm512_storeu_ps(at.add(16), high[r]);
             }
         }
     }
