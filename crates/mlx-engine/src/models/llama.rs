@@ -263,6 +263,8 @@ pub(crate) struct Llama {
     layers: Layers<Layer>,
     /// The final norm and output projection: on the last stage.
     head: Option<Head>,
+    /// Its experts are read from the files per forward.
+    experts_in_files: bool,
 }
 
 struct Head {
@@ -301,10 +303,14 @@ impl Llama {
         let layers = Layers::load(w, &layers_path(), stage.layers(), move |w, i| {
             Layer::load(&layer_config, w, i)
         })?;
+        let moe = config
+            .settings::<LlamaSettings>()
+            .is_some_and(|s| s.moe.is_some());
         Ok(Llama {
             embed,
             layers,
             head,
+            experts_in_files: moe && w.experts_in_files(),
         })
     }
 
@@ -328,7 +334,10 @@ impl Decoder for Llama {
     }
 
     fn schedule(&self) -> Schedule {
-        self.layers.schedule()
+        match self.layers.schedule() {
+            Schedule::Independent if self.experts_in_files => Schedule::WholeChunks,
+            schedule => schedule,
+        }
     }
 
     /// The final norm and the output projection (or the tied embedding).

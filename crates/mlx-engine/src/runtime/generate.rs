@@ -29,6 +29,7 @@ pub(crate) struct GenState {
     batch_size: usize,
     /// Runs chunks side by side (see [`lanes`]).
     executor: Executor,
+    schedule: Schedule,
     eos: Vec<u32>,
     max_prompt_tokens: usize,
     special_tokens: SpecialTokens,
@@ -107,7 +108,7 @@ impl GenState {
             }
             prefix_cache.eval()?;
         }
-        let lanes = model.schedule().lanes(lanes);
+        let schedule = model.schedule();
         #[expect(
             clippy::arc_with_non_send_sync,
             reason = "the Arc crosses to the lanes only inside a ForLanes, which says why that is sound"
@@ -119,7 +120,8 @@ impl GenState {
             prefix_cache,
             processor,
             batch_size,
-            executor: Executor::start(lanes, blas_threads),
+            executor: Executor::start(schedule.lanes(lanes), blas_threads),
+            schedule,
             eos: tokenizer.eos_ids().iter().copied().collect(),
             max_prompt_tokens,
             special_tokens,
@@ -252,10 +254,10 @@ pub(crate) fn generate_batch(
         let owner = distributed::data::shares(&lengths, group.size());
         order.retain(|&i| owner[i] == group.rank());
     }
-    // Every lane gets a chunk: with fewer conversations than lanes times
-    // the batch size, the chunks are made smaller and even.
-    let lanes = state.executor.lanes();
-    let size = state.batch_size.min(order.len().div_ceil(lanes)).max(1);
+    // Every lane gets a chunk where the schedule allows: with fewer
+    // conversations than lanes times the batch size, smaller, even chunks.
+    let (schedule, lanes) = (state.schedule, state.executor.lanes());
+    let size = schedule.chunk_rows(state.batch_size, order.len(), lanes);
     let chunks: Vec<&[usize]> = order.chunks(size).collect();
     let works: Vec<ChunkWork> = chunks
         .iter()

@@ -51,6 +51,12 @@ pub(crate) enum Schedule {
     /// each prefill group is a forward of its own, evaluated before the
     /// next one runs.
     Independent,
+    /// One chunk at a time, each as large as the batch size allows, its
+    /// prefill groups independent forwards: each chunk reads the routed
+    /// experts its rows chose from the files, so two half chunks side by
+    /// side read an expert both chose twice, and hold twice the experts
+    /// at once (a mixture of experts whose experts stay in the files).
+    WholeChunks,
     /// The layers are read from the files at each forward: one chunk at a
     /// time, on the worker, and a chunk's prefill groups in one forward
     /// layer by layer, so that each layer is read once for all of them.
@@ -62,7 +68,18 @@ impl Schedule {
     pub(crate) fn lanes(self, wanted: usize) -> usize {
         match self {
             Schedule::Independent => wanted,
-            Schedule::LayerByLayer => 1,
+            Schedule::WholeChunks | Schedule::LayerByLayer => 1,
+        }
+    }
+
+    /// Rows per chunk for `conversations` at `batch_size` over `lanes`:
+    /// the batch size, or smaller and even where that gives every lane a
+    /// chunk and the schedule allows it.
+    pub(crate) fn chunk_rows(self, batch_size: usize, conversations: usize, lanes: usize) -> usize {
+        let even = conversations.div_ceil(lanes.max(1));
+        match self {
+            Schedule::Independent => batch_size.min(even).max(1),
+            Schedule::WholeChunks | Schedule::LayerByLayer => batch_size.max(1),
         }
     }
 }
@@ -240,5 +257,24 @@ fn stream_error(dir: &std::path::Path, source: block_stream::Error) -> Error {
     Error::Stream {
         dir: dir.to_path_buf(),
         source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Schedule;
+
+    /// Independent forwards cut a small request into even chunks, one per
+    /// lane; the schedules that read per chunk keep whole batches.
+    #[test]
+    fn only_independent_forwards_split_a_request_for_the_lanes() {
+        assert_eq!(Schedule::Independent.chunk_rows(8, 8, 2), 4);
+        assert_eq!(Schedule::Independent.chunk_rows(8, 64, 2), 8);
+        assert_eq!(Schedule::Independent.chunk_rows(8, 1, 2), 1);
+        assert_eq!(Schedule::WholeChunks.chunk_rows(8, 8, 2), 8);
+        assert_eq!(Schedule::LayerByLayer.chunk_rows(8, 8, 1), 8);
+        assert_eq!(Schedule::Independent.lanes(2), 2);
+        assert_eq!(Schedule::WholeChunks.lanes(2), 1);
+        assert_eq!(Schedule::LayerByLayer.lanes(2), 1);
     }
 }

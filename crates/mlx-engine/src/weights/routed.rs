@@ -172,6 +172,12 @@ impl StackPart {
 }
 
 impl Weights<'_> {
+    /// Whether routed experts stay in the files, read per forward for the
+    /// experts chosen (every mode but resident).
+    pub(crate) fn experts_in_files(&self) -> bool {
+        self.memory != MemoryMode::Resident
+    }
+
     /// `module`'s stacked experts `(experts, out, in)`, dense or packed as
     /// the files hold them, held as the memory mode and the quantized
     /// weights' handling say: in the files unless the mode is resident;
@@ -188,7 +194,7 @@ impl Weights<'_> {
     ) -> Result<ExpertStack> {
         let packing = self.packing(module, out, inputs)?;
         let width = packing.map_or(inputs, |q| inputs * q.bits as usize / 32);
-        let in_files = self.memory != MemoryMode::Resident;
+        let in_files = self.experts_in_files();
         let part = |name: &str, cols: usize| -> Result<StackPart> {
             let key = module.join(name);
             let shape = [experts, out, cols];
