@@ -314,7 +314,7 @@ pub fn absolute(path: &Path) -> Option<std::path::PathBuf> {
 /// engine bench's llama.cpp side (`cargo xtask bench engine --llama-cpp`):
 /// built from source for this CPU (`GGML_NATIVE`), as its users are told
 /// to, into the interop venv. The wheel is kept in the fixtures' cache
-/// (the build takes ~10 minutes on two cores).
+/// (the build took ~25 minutes on one core of the project's machine).
 pub const LLAMA_CPP: &str = "llama-cpp-python==0.3.36";
 
 /// Installs [`LLAMA_CPP`] into `python`'s environment unless it is there.
@@ -330,13 +330,16 @@ pub fn llama_cpp(python: &Path) -> Result<()> {
     }
     let wheels = crate::fixtures::cache_dir()?.join("llama-cpp");
     std::fs::create_dir_all(&wheels)?;
+    // The wheel's file name starts `llama_cpp_python-0.3.36-`.
+    let (name, version) = LLAMA_CPP.split_once("==").unwrap_or((LLAMA_CPP, ""));
+    let prefix = format!("{}-{version}-", name.replace('-', "_"));
     let built = |dir: &Path| -> Option<std::path::PathBuf> {
         std::fs::read_dir(dir)
             .ok()?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .find(|p| {
                 p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with("llama_cpp_python-0.3.36-"))
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
             })
     };
     if built(&wheels).is_none() {

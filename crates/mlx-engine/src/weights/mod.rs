@@ -456,19 +456,8 @@ impl OnUse<'_> {
     /// groups.
     pub(crate) fn product_with_columns(&self, x: &Array, columns: Range<usize>) -> Result<Array> {
         let p = self.packed;
-        if p.on_host {
-            let kernel = packed_product::product(
-                x,
-                self.weight,
-                &p.scales,
-                &p.biases,
-                p.q,
-                0..self.outputs(),
-                columns.clone(),
-            )?;
-            if let Some(y) = kernel {
-                return Ok(y);
-            }
+        if let Some(y) = p.on_kernel(x, self.weight, 0..self.outputs(), columns.clone())? {
+            return Ok(y);
         }
         let (words, groups, _) = packed_span(p.q, columns);
         // Contiguous copies of the packed columns (an eighth of the f32

@@ -49,20 +49,8 @@ impl Packed {
         weight: &Array,
         rows: Range<usize>,
     ) -> Result<Array> {
-        if self.on_host {
-            let columns = 0..x.dim(-1) as usize;
-            let kernel = packed_product::product(
-                x,
-                weight,
-                &self.scales,
-                &self.biases,
-                self.q,
-                rows.clone(),
-                columns,
-            )?;
-            if let Some(y) = kernel {
-                return Ok(y);
-            }
+        if let Some(y) = self.on_kernel(x, weight, rows.clone(), 0..x.dim(-1) as usize)? {
+            return Ok(y);
         }
         let r = rows.start as i32..rows.end as i32;
         let dense = dequantize_f32(
@@ -78,24 +66,37 @@ impl Packed {
     /// slice of rows at a time (see [`in_row_slices`]).
     pub(crate) fn product_in_slices(&self, x: &Array, weight: &Array) -> Result<Array> {
         let (rows, dim) = (weight.dim(0) as usize, x.dim(-1) as usize);
-        if self.on_host {
-            // No dense slice to bound: the whole product at once.
-            let kernel = packed_product::product(
-                x,
-                weight,
-                &self.scales,
-                &self.biases,
-                self.q,
-                0..rows,
-                0..dim,
-            )?;
-            if let Some(y) = kernel {
-                return Ok(y);
-            }
+        // On the kernel no dense slice is made: the whole product at once.
+        if let Some(y) = self.on_kernel(x, weight, 0..rows, 0..dim)? {
+            return Ok(y);
         }
         in_row_slices(rows, slice_rows(dim), |r| {
             self.product_with_rows(x, weight, r)
         })
+    }
+
+    /// `x · W[outputs, columns]ᵀ` by [`packed_product`]'s kernel, when this
+    /// weight is multiplied there ([`on_host`](Self::on_host)) and the
+    /// kernel takes the product; `None`: unpack.
+    pub(crate) fn on_kernel(
+        &self,
+        x: &Array,
+        weight: &Array,
+        outputs: Range<usize>,
+        columns: Range<usize>,
+    ) -> Result<Option<Array>> {
+        if !self.on_host {
+            return Ok(None);
+        }
+        packed_product::product(
+            x,
+            weight,
+            &self.scales,
+            &self.biases,
+            self.q,
+            outputs,
+            columns,
+        )
     }
 
     pub fn quantized_matmul(&self, x: &Array, weight: &Array) -> Result<Array> {
