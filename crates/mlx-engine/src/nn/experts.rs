@@ -342,12 +342,28 @@ mod tests {
         random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap()
     }
 
+    /// How a test's experts are multiplied.
+    #[derive(Debug, Clone, Copy)]
+    enum Taken {
+        /// Unpacked to f32, by `gather_mm`.
+        Unpacked,
+        /// Packed, by `gather_qmm`.
+        Packed,
+        /// Packed, by the project's kernel.
+        OnHost,
+    }
+
     /// Random 4-bit experts in memory, taken per forward, `taken_at_once`
-    /// bytes of them at a time; `unpack`: to f32, else multiplied packed.
-    fn experts(unpack: bool, taken_at_once: usize) -> Experts {
+    /// bytes of them at a time, multiplied as `taken` says.
+    fn experts(taken: Taken, taken_at_once: usize) -> Experts {
         let packed = |shape: &[i32], seed| {
             let (w, s, b) = quantize(normal(shape, seed), Q.group_size, Q.bits).unwrap();
-            ExpertStack::chosen_in_memory(w, Some((s, b, Q)), unpack)
+            let (unpack, on_host) = match taken {
+                Taken::Unpacked => (true, false),
+                Taken::Packed => (false, false),
+                Taken::OnHost => (true, true),
+            };
+            ExpertStack::chosen_in_memory(w, Some((s, b, Q)), unpack, on_host)
         };
         let (router, s, b) = quantize(normal(&[EXPERTS, HIDDEN], 1), 32, 4).unwrap();
         Experts {
@@ -365,12 +381,13 @@ mod tests {
 
     /// Taken three experts at a time, a forward's output equals the one
     /// that takes them all at once, bit for bit: with few choices (in the
-    /// rows' order) and with many (sorted by expert), unpacked or packed.
+    /// rows' order) and with many (sorted by expert), unpacked or packed,
+    /// by MLX or by the project's kernel.
     #[test]
     fn experts_taken_in_groups_give_the_same_bits() {
         let per_expert = 3 * (INTER * HIDDEN) as usize * 4;
-        for unpack in [true, false] {
-            let (whole, grouped) = (experts(unpack, usize::MAX), experts(unpack, 3 * per_expert));
+        for taken in [Taken::Unpacked, Taken::Packed, Taken::OnHost] {
+            let (whole, grouped) = (experts(taken, usize::MAX), experts(taken, 3 * per_expert));
             // 3 × 5 × 4 = 60 choices (not sorted), 4 × 6 × 4 = 96 (sorted).
             for (shape, seed) in [([3, 5, HIDDEN], 10), ([4, 6, HIDDEN], 11)] {
                 let x = normal(&shape, seed);
@@ -383,7 +400,7 @@ mod tests {
                 assert_eq!(
                     a.as_slice::<f32>(),
                     b.as_slice::<f32>(),
-                    "unpack {unpack}, {shape:?}"
+                    "{taken:?}, {shape:?}"
                 );
             }
         }

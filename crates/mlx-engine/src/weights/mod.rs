@@ -14,6 +14,7 @@ pub(crate) mod mapped;
 pub(crate) mod memory_mode;
 pub(crate) mod packed;
 pub(crate) mod packed_product;
+pub(crate) mod packed_routed;
 pub(crate) mod quantized;
 pub(crate) mod routed;
 pub(crate) mod rows;

@@ -65,43 +65,23 @@ pub(crate) fn product(
 ) -> Result<Option<Array>> {
     let gs = q.group_size as usize;
     let rows = x.size() / columns.len().max(1);
-    let takes = runs(q)
-        && rows <= MAX_ROWS
+    let takes = rows <= MAX_ROWS
         && outputs.len().is_multiple_of(PANEL)
         && !outputs.is_empty()
         && columns.start.is_multiple_of(gs)
         && columns.len().is_multiple_of(gs)
         && !columns.is_empty()
         && x.ndim() > 0
-        && x.shape()[x.ndim() - 1] as usize == columns.len()
-        && scales.dtype() == biases.dtype()
-        && matches!(
-            scales.dtype(),
-            Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16
-        )
-        && weight.dtype() == Dtype::Uint32
-        && weight.ndim() == 2
-        && scales.ndim() == 2;
+        && x.shape()[x.ndim() - 1] as usize == columns.len();
     if !takes {
         return Ok(None);
     }
-    let Ok(words) = weight.try_as_slice::<u32>() else {
+    let Some(mut matrix) = Matrix::of(weight, scales, biases, q) else {
         return Ok(None);
     };
-    let (Some(scales), Some(biases)) = (Scales::of(scales), Scales::of(biases)) else {
-        return Ok(None);
-    };
-    let matrix = Matrix {
-        words,
-        row_words: weight.dim(1) as usize,
-        scales,
-        biases,
-        row_groups: biases.len() / (weight.dim(0).max(1) as usize),
-        group_size: gs,
-        first_output: outputs.start,
-        first_column: columns.start,
-        inputs: columns.len(),
-    };
+    matrix.first_output = outputs.start;
+    matrix.first_column = columns.start;
+    matrix.inputs = columns.len();
     if !matrix.fits(outputs.end) {
         return Ok(None);
     }
@@ -165,22 +145,68 @@ impl Scales<'_> {
 
 /// A packed matrix's part that a product reads: outputs from
 /// `first_output` on (32 per panel), `inputs` columns from `first_column`.
-struct Matrix<'a> {
+pub(super) struct Matrix<'a> {
     words: &'a [u32],
     row_words: usize,
     scales: Scales<'a>,
     biases: Scales<'a>,
     row_groups: usize,
     group_size: usize,
-    first_output: usize,
-    first_column: usize,
-    inputs: usize,
+    pub(super) first_output: usize,
+    pub(super) first_column: usize,
+    pub(super) inputs: usize,
+}
+
+impl<'a> Matrix<'a> {
+    /// The whole of MLX's packed `weight` `(out, in / 8)` with its `(out,
+    /// in / group)` `scales` and `biases`, when the kernel reads it: 4 bits
+    /// on this CPU, the arrays row-contiguous, the scales f32, bfloat16 or
+    /// float16. `None` otherwise.
+    pub(super) fn of(
+        weight: &'a Array,
+        scales: &'a Array,
+        biases: &'a Array,
+        q: Quantization,
+    ) -> Option<Matrix<'a>> {
+        let takes = runs(q)
+            && scales.dtype() == biases.dtype()
+            && matches!(
+                scales.dtype(),
+                Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16
+            )
+            && weight.dtype() == Dtype::Uint32
+            && weight.ndim() == 2
+            && scales.ndim() == 2
+            && weight.dim(0) > 0;
+        if !takes {
+            return None;
+        }
+        let words = weight.try_as_slice::<u32>().ok()?;
+        let (scales, biases) = (Scales::of(scales)?, Scales::of(biases)?);
+        let row_words = weight.dim(1) as usize;
+        Some(Matrix {
+            words,
+            row_words,
+            scales,
+            biases,
+            row_groups: biases.len() / weight.dim(0) as usize,
+            group_size: q.group_size as usize,
+            first_output: 0,
+            first_column: 0,
+            inputs: row_words * 8,
+        })
+    }
+
+    /// Outputs (rows of the matrix) the arrays hold.
+    pub(super) fn outputs(&self) -> usize {
+        self.words.len() / self.row_words.max(1)
+    }
 }
 
 impl Matrix<'_> {
     /// Whether outputs up to `end` and the columns are inside the arrays.
-    fn fits(&self, end: usize) -> bool {
-        let rows = self.words.len() / self.row_words.max(1);
+    pub(super) fn fits(&self, end: usize) -> bool {
+        let rows = self.outputs();
         let groups_end = (self.first_column + self.inputs) / self.group_size;
         end <= rows
             && (self.first_column + self.inputs) / 8 <= self.row_words
@@ -202,7 +228,7 @@ impl Matrix<'_> {
 
 /// `y` `(rows, outputs)` = `x · Wᵀ` for `x` `(rows, m.inputs)`, the panels
 /// shared out over `threads`.
-fn multiply(m: &Matrix<'_>, x: &[f32], rows: usize, y: &mut [f32], threads: usize) {
+pub(super) fn multiply(m: &Matrix<'_>, x: &[f32], rows: usize, y: &mut [f32], threads: usize) {
     let count = y.len() / (rows * PANEL).max(1);
     assert!(
         x.len() == rows * m.inputs

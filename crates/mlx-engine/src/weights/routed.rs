@@ -18,6 +18,7 @@ use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
 use crate::weights::memory_mode::MemoryMode;
+use crate::weights::packed_routed;
 use crate::weights::unpack::dequantize_f32;
 use crate::weights::{KeyPath, QuantizedWeights, Weights};
 
@@ -38,6 +39,14 @@ pub(crate) enum ExpertMatrices {
     /// Packed as stored, `(n, out, in · bits / 32)`, multiplied packed by
     /// `gather_qmm` (mlx_lm's `QuantizedSwitchLinear`).
     Packed {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        q: Quantization,
+    },
+    /// Packed as stored, multiplied packed by the project's kernel
+    /// ([`packed_routed`]), or unpacked where it does not take the product.
+    PackedOnHost {
         weight: Array,
         scales: Array,
         biases: Array,
@@ -68,8 +77,47 @@ impl ExpertMatrices {
                 q.bits,
                 sorted,
             )?,
+            ExpertMatrices::PackedOnHost {
+                weight,
+                scales,
+                biases,
+                q,
+            } => {
+                let ids = experts.as_dtype(mlx_rs::Dtype::Uint32)?.contiguous()?;
+                let host = ids.try_as_slice::<u32>().map_err(|e| {
+                    mlx_rs::error::Exception::custom(format!("routed experts: {e}"))
+                })?;
+                let product = packed_routed::routed_product(
+                    x,
+                    weight,
+                    scales,
+                    biases,
+                    *q,
+                    host,
+                    ids.shape(),
+                )?;
+                match product {
+                    Some(y) => y,
+                    None => unpacked(weight, scales, biases, *q)?.product(x, experts, sorted)?,
+                }
+            }
         })
     }
+}
+
+/// Packed experts `(n, out, in / 8)` unpacked to f32, as one matrix of
+/// every expert's rows (the unpacking's fast path), ready for `gather_mm`.
+fn unpacked(
+    weight: &Array,
+    scales: &Array,
+    biases: &Array,
+    q: Quantization,
+) -> Result<ExpertMatrices> {
+    let (n, out) = (weight.dim(0), weight.dim(1));
+    let flat = |a: &Array| a.reshape(&[n * out, a.dim(2)]);
+    let dense = dequantize_f32(&flat(weight)?, &flat(scales)?, &flat(biases)?, q)?;
+    let dense = dense.reshape(&[n, out, -1])?;
+    Ok(ExpertMatrices::Dense(dense.swap_axes(-1, -2)?))
 }
 
 /// One projection's stacked experts.
@@ -84,13 +132,17 @@ pub(crate) enum ExpertStack {
 
 /// Where a [`ExpertStack::Chosen`] stack takes its experts from.
 pub(crate) struct ChosenSource {
-    /// Bytes of one expert's matrix unpacked to f32.
-    unpacked_bytes: usize,
+    /// Bytes of one expert's matrix as a forward takes it: packed for the
+    /// kernel, else unpacked to f32.
+    taken_bytes: usize,
     weight: StackPart,
     /// The scales, biases and quantization of a packed stack.
     packing: Option<(StackPart, StackPart, Quantization)>,
     /// Unpack packed experts to f32 (else `gather_qmm` multiplies them).
     unpack: bool,
+    /// With `unpack`: multiply them packed by the project's kernel where
+    /// it takes the product, unpacking only where it does not.
+    on_host: bool,
 }
 
 /// One array of a stack, experts on axis 0.
@@ -104,28 +156,31 @@ impl ExpertStack {
     /// f32, or read dense); 0 for a whole stack, which takes nothing.
     pub(crate) fn taken_bytes_per_expert(&self) -> usize {
         match self {
-            ExpertStack::Chosen(source) => source.unpacked_bytes,
+            ExpertStack::Chosen(source) => source.taken_bytes,
             ExpertStack::Whole(_) => 0,
         }
     }
 
     /// A stack in memory taken per forward (unpacked when `packing` is
-    /// given and `unpack`), for tests of how forwards take experts.
+    /// given and `unpack`, multiplied packed by the kernel with
+    /// `on_host`), for tests of how forwards take experts.
     #[cfg(test)]
     pub(crate) fn chosen_in_memory(
         weight: Array,
         packing: Option<(Array, Array, Quantization)>,
         unpack: bool,
+        on_host: bool,
     ) -> ExpertStack {
         let inputs = match &packing {
             Some((_, _, q)) => weight.dim(2) as usize * 32 / q.bits as usize,
             None => weight.dim(2) as usize,
         };
         ExpertStack::Chosen(ChosenSource {
-            unpacked_bytes: weight.dim(1) as usize * inputs * 4,
+            taken_bytes: weight.dim(1) as usize * inputs * 4,
             weight: StackPart::Memory(weight),
             packing: packing.map(|(s, b, q)| (StackPart::Memory(s), StackPart::Memory(b), q)),
             unpack,
+            on_host,
         })
     }
 }
@@ -138,6 +193,14 @@ impl ChosenSource {
             return Ok(ExpertMatrices::Dense(weight.swap_axes(-1, -2)?));
         };
         let (scales, biases) = (scales.take(experts)?, biases.take(experts)?);
+        if self.on_host {
+            return Ok(ExpertMatrices::PackedOnHost {
+                weight,
+                scales,
+                biases,
+                q: *q,
+            });
+        }
         if !self.unpack {
             return Ok(ExpertMatrices::Packed {
                 weight,
@@ -146,13 +209,7 @@ impl ChosenSource {
                 q: *q,
             });
         }
-        // Unpacked as one matrix of every chosen expert's rows, the
-        // unpacking's fast path.
-        let (n, out) = (weight.dim(0), weight.dim(1));
-        let flat = |a: &Array| a.reshape(&[n * out, a.dim(2)]);
-        let dense = dequantize_f32(&flat(&weight)?, &flat(&scales)?, &flat(&biases)?, *q)?;
-        let dense = dense.reshape(&[n, out, -1])?;
-        Ok(ExpertMatrices::Dense(dense.swap_axes(-1, -2)?))
+        unpacked(&weight, &scales, &biases, *q)
     }
 }
 
@@ -216,11 +273,26 @@ impl Weights<'_> {
             }
             None => None,
         };
+        let unpack = self.mode != QuantizedWeights::Keep;
+        // Only where every memory mode takes the experts per forward
+        // (`DequantizeOnUse`), so that all of them multiply alike.
+        let on_host = self.mode == QuantizedWeights::DequantizeOnUse
+            && packing
+                .as_ref()
+                .is_some_and(|(_, _, q)| self.products.multiplies_packed(*q));
+        let taken_bytes = match &packing {
+            // The words, and a scale and a bias per group (f32 at most).
+            Some((_, _, q)) if on_host => {
+                out * inputs * q.bits as usize / 8 + out * inputs / q.group_size as usize * 8
+            }
+            _ => out * inputs * 4,
+        };
         let source = ChosenSource {
-            unpacked_bytes: out * inputs * 4,
+            taken_bytes,
             weight,
             packing,
-            unpack: self.mode != QuantizedWeights::Keep,
+            unpack,
+            on_host,
         };
         if in_files || (source.packing.is_some() && self.mode == QuantizedWeights::DequantizeOnUse)
         {
@@ -232,7 +304,7 @@ impl Weights<'_> {
         // arrays from other threads and cannot compute one.
         match &whole {
             ExpertMatrices::Dense(w) => w.eval()?,
-            ExpertMatrices::Packed { .. } => {}
+            ExpertMatrices::Packed { .. } | ExpertMatrices::PackedOnHost { .. } => {}
         }
         Ok(ExpertStack::Whole(whole))
     }

@@ -1,0 +1,193 @@
+//! Routed products of packed 4-bit experts on the CPU: each choice's row
+//! times its expert's matrix, every expert's words read as MLX packs them
+//! by [`packed_product`]'s kernel, once for all the rows that chose it.
+//!
+//! A mixture of experts unpacked its chosen experts to f32 and let MLX's
+//! `gather_mm` multiply them. On the CPU that product is bound by memory:
+//! a prefill, whose rows choose nearly every expert, wrote and then read
+//! eight times the packed bytes of every expert of a layer, and a decode
+//! step did the same for each expert to multiply one or two rows. Here
+//! nothing is unpacked to memory: the rows that chose an expert are
+//! gathered together and multiplied by its packed words, a run of rows at
+//! a time. The kernel's sums do not depend on the other rows of a run, so
+//! a choice's result is the same bits whichever rows share its expert,
+//! whether its experts were taken all at once or in groups, and whichever
+//! memory mode held them.
+
+use mlx_rs::Array;
+use mlx_support::Quantization;
+
+use crate::error::Result;
+use crate::weights::few_rows::{self, host_error, host_f32};
+use crate::weights::packed_product::{multiply, Matrix};
+
+/// `(…shape, 1, out)`: for each choice `c` of `experts` (places in the
+/// stack, laid out as `shape`), row `c / (choices / rows)` of `x` `(…, in)` times
+/// expert `experts[c]`'s matrix of the packed stack `weight` `(n, out, in
+/// / 8)` with its `(n, out, in / group)` `scales` and `biases` — the
+/// layout of MLX's `gather_mm(x, w, rhs_indices = experts)` for `x` of
+/// one row per choice, or of one row per `k` choices broadcast. `None`
+/// where the kernel does not take it (not 4 bits, no AVX-512, outputs not
+/// a multiple of 32, other dtypes or widths): the caller unpacks.
+pub(crate) fn routed_product(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: &Array,
+    q: Quantization,
+    experts: &[u32],
+    shape: &[i32],
+) -> Result<Option<Array>> {
+    if weight.ndim() != 3 || scales.ndim() != 3 || biases.ndim() != 3 || x.ndim() == 0 {
+        return Ok(None);
+    }
+    let (n, out) = (weight.dim(0) as usize, weight.dim(1) as usize);
+    let inputs = x.dim(-1) as usize;
+    let rows = x.size().checked_div(inputs).unwrap_or(0);
+    let choices = experts.len();
+    let fits = out.is_multiple_of(few_rows::PANEL)
+        && out > 0
+        && inputs > 0
+        && rows > 0
+        && choices.is_multiple_of(rows)
+        && experts.iter().all(|&e| (e as usize) < n);
+    if !fits {
+        return Ok(None);
+    }
+    let flat = |a: &Array| a.reshape(&[(n * out) as i32, a.dim(2)]);
+    let (weight, scales, biases) = (flat(weight)?, flat(scales)?, flat(biases)?);
+    let Some(mut matrix) = Matrix::of(&weight, &scales, &biases, q) else {
+        return Ok(None);
+    };
+    if matrix.inputs != inputs || !matrix.fits(n * out) {
+        return Ok(None);
+    }
+    let x = x
+        .as_dtype(mlx_rs::Dtype::Float32)?
+        .reshape(&[rows as i32, inputs as i32])?
+        .contiguous()?;
+    let xs = host_f32(&x)?;
+    let per_row = choices / rows;
+    // The choices by expert (stable: a run keeps the choices' order).
+    let mut order: Vec<usize> = (0..choices).collect();
+    order.sort_by_key(|&c| experts[c]);
+    let threads = mlx_support::blas_threads().unwrap_or(1).max(1);
+    let mut run_x = Vec::new();
+    let mut run_y = Vec::new();
+    let y = mlx_support::array_written::<crate::error::Error>(
+        "packed_routed::routed_product",
+        st_mmap::Dtype::F32,
+        &[choices, out],
+        |bytes| {
+            // SAFETY: any bit pattern is an f32; `align_to_mut` only
+            // yields the part of the buffer that is aligned for one.
+            let (head, sums, tail) = unsafe { bytes.align_to_mut::<f32>() };
+            if !head.is_empty() || !tail.is_empty() {
+                return Err(host_error("MLX's buffer is not aligned for f32"));
+            }
+            for run in order.chunk_by(|&a, &b| experts[a] == experts[b]) {
+                matrix.first_output = experts[run[0]] as usize * out;
+                run_x.clear();
+                for &c in run {
+                    let r = c / per_row;
+                    run_x.extend_from_slice(&xs[r * inputs..(r + 1) * inputs]);
+                }
+                run_y.clear();
+                run_y.resize(run.len() * out, 0.0);
+                multiply(&matrix, &run_x, run.len(), &mut run_y, threads);
+                for (j, &c) in run.iter().enumerate() {
+                    sums[c * out..(c + 1) * out].copy_from_slice(&run_y[j * out..(j + 1) * out]);
+                }
+            }
+            Ok(())
+        },
+    )?;
+    let mut shape = shape.to_vec();
+    shape.extend([1, out as i32]);
+    Ok(Some(y.reshape(&shape)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx_rs::ops::{gather_mm, quantize};
+    use mlx_rs::random;
+
+    use super::*;
+    use crate::test_support::max_abs_diff;
+    use crate::weights::unpack::dequantize_f32;
+
+    const Q: Quantization = Quantization {
+        group_size: 32,
+        bits: 4,
+    };
+
+    fn normal(shape: &[i32], seed: u64) -> Array {
+        random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap()
+    }
+
+    /// Against MLX's `gather_mm` over the experts unpacked to f32, in both
+    /// layouts (a row per choice; a row per `k` choices); a choice's sums
+    /// the same bits alone as among many rows of its expert; what the
+    /// kernel does not take left to the caller.
+    #[test]
+    fn routed_products_equal_gather_mm_over_the_unpacked_experts() {
+        let (n, out, inputs) = (6, 64, 96);
+        let (w, s, b) = quantize(normal(&[n, out, inputs], 1), Q.group_size, Q.bits).unwrap();
+        let dense = dequantize_f32(
+            &w.reshape(&[n * out, -1]).unwrap(),
+            &s.reshape(&[n * out, -1]).unwrap(),
+            &b.reshape(&[n * out, -1]).unwrap(),
+            Q,
+        )
+        .unwrap()
+        .reshape(&[n, out, inputs])
+        .unwrap()
+        .swap_axes(-1, -2)
+        .unwrap();
+        // 20 choices among the 6 experts, expert 3 chosen 11 times.
+        let ids: Vec<u32> = vec![3, 0, 3, 5, 3, 3, 1, 3, 3, 2, 3, 3, 0, 3, 5, 3, 1, 3, 4, 2];
+        let x = normal(&[20, 1, inputs], 2);
+        let got = routed_product(&x, &w, &s, &b, Q, &ids, &[20]).unwrap();
+        if !few_rows::supported() {
+            assert!(got.is_none(), "no AVX-512F: left to the caller");
+            return;
+        }
+        let got = got.unwrap();
+        let experts = Array::from_slice(&ids, &[20]);
+        let want = gather_mm(&x, &dense, None, Some(&experts), Some(false)).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        assert!(max_abs_diff(&got, &want) < 1e-4);
+        // One row per two choices, `(2, 5, 1, 1, in)` against `(2, 5, 2)`.
+        let rows = normal(&[2, 5, 1, 1, inputs], 3);
+        let got = routed_product(&rows, &w, &s, &b, Q, &ids, &[2, 5, 2])
+            .unwrap()
+            .unwrap();
+        let experts = Array::from_slice(&ids, &[2, 5, 2]);
+        let want = gather_mm(&rows, &dense, None, Some(&experts), Some(false)).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        assert!(max_abs_diff(&got, &want) < 1e-4);
+        // Choice 7 (expert 3) alone.
+        let whole = routed_product(&x, &w, &s, &b, Q, &ids, &[20])
+            .unwrap()
+            .unwrap();
+        let alone = x.take_axis(Array::from_slice(&[7i32], &[1]), 0).unwrap();
+        let alone = routed_product(&alone, &w, &s, &b, Q, &[3], &[1])
+            .unwrap()
+            .unwrap();
+        let whole = whole.as_slice::<f32>();
+        assert_eq!(alone.as_slice::<f32>(), &whole[7 * 64..8 * 64]);
+        // Left to the caller: 3 bits, an expert past the stack, 48 outputs.
+        let left = |x: &Array, w: &Array, s: &Array, b: &Array, q, ids: &[u32]| {
+            routed_product(x, w, s, b, q, ids, &[ids.len() as i32])
+                .unwrap()
+                .is_none()
+        };
+        let three = Quantization { bits: 3, ..Q };
+        assert!(left(&x, &w, &s, &b, three, &ids));
+        let mut past = ids.clone();
+        past[4] = 6;
+        assert!(left(&x, &w, &s, &b, Q, &past));
+        let (w48, s48, b48) = quantize(normal(&[n, 48, inputs], 4), 32, 4).unwrap();
+        assert!(left(&x, &w48, &s48, &b48, Q, &ids));
+    }
+}
