@@ -447,9 +447,25 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
         } else {
             "engine"
         };
+        let mut args = if all { Vec::new() } else { args.to_vec() };
+        // `--memory-cap MB`: a memory cgroup the bench runs its children in,
+        // removed when the bench is done.
+        let _cgroup = match args.iter().position(|a| a == "--memory-cap") {
+            Some(i) if bench == Bench::Engine => {
+                let mb: u64 = args
+                    .get(i + 1)
+                    .and_then(|v| v.parse().ok())
+                    .context("--memory-cap takes megabytes")?;
+                let cgroup = memory_limit::Cgroup::create(mb * 1_000_000)?;
+                args.push("--cgroup-procs".into());
+                args.push(cgroup.dir.join("cgroup.procs").display().to_string());
+                Some(cgroup)
+            }
+            _ => None,
+        };
         cargo(
             &["bench", "--package", package, "--bench", name, "--"],
-            if all { &[] } else { args },
+            &args,
         )?;
     }
     Ok(())

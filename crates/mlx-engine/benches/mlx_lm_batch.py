@@ -8,10 +8,12 @@ message (stable), and call batch_generate once per chunk of BATCH_SIZE, with
 the prefix cache deep-copied for each conversation of the chunk. MODE
 "one-call" hands every conversation to a single batch_generate call.
 Prints: seconds conversations prompt_tokens generated_tokens peak_rss_kib
+io=RCHAR/READ_BYTES (the timed part's reads, /proc/self/io)
 (after a first line naming the mlx_lm version).
 """
 import copy
 import json
+import os
 import resource
 import sys
 import time
@@ -22,12 +24,28 @@ from pathlib import Path
 newer = Path(sys.prefix) / "mlx-lm-0.32.2"
 if newer.is_dir():
     sys.path.insert(0, str(newer))
+# MLX 0.32.4 first where asked (MLX_BENCH_NEWER_MLX=1): mlx_lm 0.32.2's
+# quantized experts need it (the venv's own MLX is 0.32.2).
+newer_mlx = Path(sys.prefix) / "mlx-0.32.4"
+if os.environ.get("MLX_BENCH_NEWER_MLX") == "1" and newer_mlx.is_dir():
+    sys.path.insert(0, str(newer_mlx))
 
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+
+def read_io():
+    """The kernel's count of this process's reads (Linux): bytes returned
+    by read calls, and bytes fetched from storage; zeros elsewhere."""
+    try:
+        fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+        return int(fields["rchar"]), int(fields["read_bytes"])
+    except OSError:
+        return 0, 0
+
 
 print(f"mlx_lm {mlx_lm.__version__}")
 model, tokenizer = load(sys.argv[1])
@@ -49,6 +67,7 @@ def generate(rows):
     return out.texts
 
 
+io_before = read_io()
 start = time.time()
 if mode == "one-call":
     texts = generate(suffixes)
@@ -62,6 +81,7 @@ elif mode == "per-chunk":
 else:
     sys.exit(f"unknown mode {mode!r}: per-chunk or one-call")
 seconds = time.time() - start
+io = [a - b for a, b in zip(read_io(), io_before)]
 generated = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
 print(seconds, len(conversations), sum(map(len, suffixes)), generated,
-      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, f"io={io[0]}/{io[1]}")

@@ -1,10 +1,31 @@
 //! The engine bench's peers beside mlx_lm: llama.cpp through
-//! llama-cpp-python (`llama_cpp_peer.py`), and the profile of our runs.
+//! llama-cpp-python (`llama_cpp_peer.py`); and what every side's runs are
+//! measured by beside time and memory: the kernel's count of a process's
+//! reads, and the profile of our runs.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use super::{report, write_conversations};
+
+/// A command for `program` that runs inside the memory cgroup whose
+/// `cgroup.procs` is `cgroup` (`--memory-cap`, which `cargo xtask bench`
+/// turns into a cgroup), or as it is: the child moves itself in before it
+/// starts the program, so all it allocates and all the page cache it
+/// brings in count against the cap.
+pub fn command_in(cgroup: Option<&Path>, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match cgroup {
+        Some(procs) => {
+            let mut c = Command::new("sh");
+            c.arg("-c")
+                .arg(r#"echo $$ > "$0" && exec "$@""#)
+                .arg(procs)
+                .arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
 
 /// llama.cpp on `gguf`, which the 4-bit folder `dir` was imported from,
 /// on the same `n` conversations, where `MLX_LOWMEM_PYTHON` has
@@ -16,6 +37,7 @@ pub fn llama_cpp(
     temp: &Path,
     (n, system_words): (usize, usize),
     max_tokens: &str,
+    cgroup: Option<&Path>,
 ) {
     let Ok(python) = std::env::var("MLX_LOWMEM_PYTHON") else {
         return;
@@ -32,7 +54,7 @@ pub fn llama_cpp(
     write_conversations(&convs, n, system_words);
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/llama_cpp_peer.py");
-    let out = Command::new(&python)
+    let out = command_in(cgroup, &python)
         .arg(script)
         .arg(dir)
         .arg(gguf)
@@ -51,8 +73,48 @@ pub fn llama_cpp(
         report(&label, text.lines().last().unwrap_or_default(), None);
     } else {
         let err = String::from_utf8_lossy(&out.stderr);
-        println!("{label} failed: {}", err.lines().last().unwrap_or_default());
+        println!(
+            "{label} failed ({}): {}",
+            out.status,
+            err.lines().last().unwrap_or_default()
+        );
     }
+}
+
+/// The GGUF of the 4-bit folder `q4`, exported once beside it
+/// (`qwen3_moe_gguf.py`: the same 4-bit values as Q4_1 blocks, the
+/// tokenizer copied from `vocab`); `None` (said) where it cannot be made.
+pub fn exported_gguf(q4: &Path, vocab: &Path, python: Option<&str>) -> Option<PathBuf> {
+    let out = q4.with_extension("gguf");
+    if out.exists() {
+        return Some(out);
+    }
+    let python = python?;
+    // Written beside it and renamed, so a stopped export leaves nothing.
+    let partial = q4.with_extension("gguf.partial");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/qwen3_moe_gguf.py");
+    println!(
+        "exporting {} to {} for llama.cpp",
+        q4.display(),
+        out.display()
+    );
+    let done = Command::new(python)
+        .arg(script)
+        .arg(q4)
+        .arg(vocab)
+        .arg(&partial)
+        .output()
+        .ok()?;
+    if !done.status.success() || std::fs::rename(&partial, &out).is_err() {
+        let err = String::from_utf8_lossy(&done.stderr);
+        println!(
+            "(llama.cpp not run: exporting the GGUF failed: {})",
+            err.lines().last().unwrap_or_default()
+        );
+        let _ = std::fs::remove_file(&partial);
+        return None;
+    }
+    Some(out)
 }
 
 /// `--profile`: the engine's spans in a child's run (`chunk`, and within
@@ -96,5 +158,75 @@ pub fn print_profile(stderr: &str) {
     }
     for (name, total, count) in spans {
         println!("  profile: {name:<15} {total:8.3} s busy in {count} spans");
+    }
+}
+
+/// A process's reads as the kernel counts them (`/proc/self/io`, Linux):
+/// `rchar`, bytes returned by read calls (from the page cache or not), and
+/// `read_bytes`, bytes it had fetched from storage (reads and mapped
+/// pages). Printed by each side as one token, `io=RCHAR/READ_BYTES`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessIo {
+    rchar: u64,
+    read_bytes: u64,
+}
+
+impl ProcessIo {
+    /// Now; zeros where there is no `/proc/self/io`.
+    pub fn read() -> ProcessIo {
+        let text = std::fs::read_to_string("/proc/self/io").unwrap_or_default();
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix(name)?
+                        .strip_prefix(": ")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+                .unwrap_or(0)
+        };
+        ProcessIo {
+            rchar: field("rchar"),
+            read_bytes: field("read_bytes"),
+        }
+    }
+
+    /// What was read from `before` to this.
+    pub fn since(self, before: ProcessIo) -> ProcessIo {
+        ProcessIo {
+            rchar: self.rchar.saturating_sub(before.rchar),
+            read_bytes: self.read_bytes.saturating_sub(before.read_bytes),
+        }
+    }
+
+    /// The `io=` token of a result line.
+    pub fn parse(line: &str) -> Option<ProcessIo> {
+        let (rchar, read_bytes) = line
+            .split_whitespace()
+            .find_map(|t| t.strip_prefix("io="))?
+            .split_once('/')?;
+        Some(ProcessIo {
+            rchar: rchar.parse().ok()?,
+            read_bytes: read_bytes.parse().ok()?,
+        })
+    }
+
+    /// For a report of `generated` tokens.
+    pub fn describe(&self, generated: f64) -> String {
+        let per = |b: u64| b as f64 / 1e6 / generated.max(1.0);
+        format!(
+            ", read calls {:.0} MB ({:.1} per generated token), from storage {:.0} MB ({:.1} per generated token)",
+            self.rchar as f64 / 1e6,
+            per(self.rchar),
+            self.read_bytes as f64 / 1e6,
+            per(self.read_bytes)
+        )
+    }
+}
+
+impl std::fmt::Display for ProcessIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "io={}/{}", self.rchar, self.read_bytes)
     }
 }
