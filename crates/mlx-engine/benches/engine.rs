@@ -14,7 +14,9 @@
 //! `--models qwen3-moe` (not run by default) is a qwen3_moe with
 //! Qwen3-30B-A3B's widths in 6 layers and random 4-bit weights
 //! (`qwen3_moe_shaped`), resident, with its experts left in the files, and
-//! streamed, at batch 1, 8 and 32; ours print the experts' bytes read.
+//! streamed, at batch 1, 8 and 32; ours print the experts' bytes read;
+//! mlx_lm runs there on MLX 0.32.4 only when asked
+//! (`--mlx-lm-conversations N`).
 //!
 //! Arguments: `--models smollm2,gemma3,gemma4-e2b`, and to override each
 //! model's own settings `--conversations N` (256; Gemma 3 64, its 4-bit
@@ -44,7 +46,9 @@
 //! engine's spans (prefill and decode per chunk) summed over the run.
 //!
 //! llama.cpp (`llama_cpp_peer.py`) runs beside SmolLM2's 4-bit folder on
-//! the GGUF that folder was imported from, one conversation at a time (the
+//! the GGUF that folder was imported from, and beside the qwen3-moe model
+//! on the same values exported to a `qwen3moe` GGUF (`qwen3_moe_gguf.py`,
+//! once, beside the made folder), one conversation at a time (the
 //! prefix's state saved once and loaded per conversation), once per
 //! `max_tokens`, wherever `MLX_LOWMEM_PYTHON` can import `llama_cpp`.
 

@@ -199,6 +199,36 @@ impl SafetensorsFile {
         Ok(true)
     }
 
+    /// Tells the system that this file's positioned reads land at scattered
+    /// places (a mixture of experts' routed experts), so that a read fetches
+    /// from storage what it asks for and nothing after it: Linux's
+    /// `posix_fadvise(POSIX_FADV_RANDOM)`, macOS's `fcntl(F_RDAHEAD, 0)`.
+    /// Under a memory limit, bytes read ahead that no read asks for evict
+    /// cached bytes that the next reads do ask for. Returns whether the
+    /// system took the advice (`false` on others).
+    pub fn advise_random_reads(&self) -> bool {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: advice on an open descriptor this value owns; it
+            // changes how the kernel reads ahead, not what reads return.
+            unsafe {
+                libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) == 0
+            }
+        }
+        #[cfg(target_os = "macos")]
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: as above: `F_RDAHEAD` 0 turns read-ahead off for this
+            // descriptor and nothing else.
+            unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_RDAHEAD, 0) != -1 }
+        }
+        #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+        {
+            false
+        }
+    }
+
     /// Where rows `rows` of `name` lie in the file: offset and byte length.
     fn rows_at(&self, name: &str, rows: Range<usize>) -> Result<Option<(u64, usize)>> {
         let Some(info) = self.header.tensor(name) else {

@@ -314,6 +314,15 @@ fn rows_are_read_by_position_from_the_file_holding_them() {
         other => panic!("{other:?}"),
     }
     assert_eq!(short, [9u8; 5]);
+    // Advised of scattered reads, the file reads the same bytes.
+    let file = set.mapped_file_of("table").unwrap();
+    assert_eq!(
+        file.advise_random_reads(),
+        cfg!(any(target_os = "linux", target_os = "macos"))
+    );
+    let mut again = vec![0u8; 12];
+    assert!(set.read_rows_into("table", 1..3, &mut again).unwrap());
+    assert_eq!(again, out);
     assert!(matches!(
         set.read_rows_into("table", 4..6, &mut out),
         Err(Error::RowsOutOfRange { .. })

@@ -321,6 +321,12 @@ impl FileStack {
     /// `key` of the weights' files, checked to be `shape`.
     fn new(w: &Weights<'_>, key: String, shape: [usize; 3]) -> Result<FileStack> {
         w.view(&key, &shape)?;
+        // Experts are read where the rows route, not in file order: no
+        // read-ahead, which under a memory limit evicted experts the next
+        // step read (twice the routed bytes came from storage).
+        if let Some(file) = w.set.mapped_file_of(&key) {
+            file.advise_random_reads();
+        }
         Ok(FileStack {
             set: w.set.clone(),
             dir: w.dir.to_path_buf(),
