@@ -327,3 +327,40 @@ fn no_module_imports_one_that_imports_it_back() {
         "modules that import each other: {circles:#?}"
     );
 }
+
+/// The engine's library code forces MLX's evaluation in one place,
+/// `evaluation.rs`, each call with its reason: no `eval()` elsewhere
+/// (unit tests, `tests.rs` files and the binaries aside).
+#[test]
+fn the_engine_evaluates_only_through_its_evaluation_module() {
+    let src = workspace_root().join("crates/mlx-engine/src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut found = Vec::new();
+    for file in &files {
+        let relative = file.strip_prefix(&src).unwrap();
+        let name = relative.to_string_lossy();
+        if name == "evaluation.rs"
+            || name.starts_with("bin")
+            || name.ends_with("tests.rs")
+            || name.starts_with("test_support")
+        {
+            continue;
+        }
+        let text = fs::read_to_string(file).unwrap();
+        let code = text.split("#[cfg(test)]\nmod tests").next().unwrap_or("");
+        for (i, line) in code.lines().enumerate() {
+            let line = line.trim_start();
+            if line.starts_with("//") {
+                continue;
+            }
+            if line.contains(".eval()") || line.contains("transforms::eval") {
+                found.push(format!("{name}:{}: {line}", i + 1));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "evaluate through mlx_engine's evaluation module, with a reason: {found:#?}"
+    );
+}

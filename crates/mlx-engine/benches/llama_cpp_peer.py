@@ -20,16 +20,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 from mlx_lm.utils import load_tokenizer
+from process_io import read_io  # beside this script
 
-
-def read_io():
-    """The kernel's count of this process's reads (Linux): bytes returned
-    by read calls, and bytes fetched from storage; zeros elsewhere."""
-    try:
-        fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
-        return int(fields["rchar"]), int(fields["read_bytes"])
-    except OSError:
-        return 0, 0
 
 
 print(f"llama-cpp-python {llama_cpp.__version__}")

@@ -35,16 +35,8 @@ import mlx_lm  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from process_io import read_io  # noqa: E402 (beside this script)
 
-
-def read_io():
-    """The kernel's count of this process's reads (Linux): bytes returned
-    by read calls, and bytes fetched from storage; zeros elsewhere."""
-    try:
-        fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
-        return int(fields["rchar"]), int(fields["read_bytes"])
-    except OSError:
-        return 0, 0
 
 
 print(f"mlx_lm {mlx_lm.__version__}")

@@ -111,6 +111,7 @@
 
 mod distributed;
 mod error;
+mod evaluation;
 mod models;
 mod nn;
 mod runtime;

@@ -6,6 +6,7 @@ use mlx_support::distributed::Group;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::evaluation::{evaluate, Why};
 use crate::tokenizer::Message;
 
 fn distributed(group: &Group, what: &str, e: impl std::fmt::Display) -> Error {
@@ -44,8 +45,7 @@ pub(crate) fn same_request(
     let all = group
         .all_gather(&Array::from_slice(&words, &[1, 8]))
         .map_err(|e| distributed(group, "comparing requests", e))?;
-    all.eval()
-        .map_err(|e| distributed(group, "comparing requests", e))?;
+    evaluate(Why::Collective, [&all]).map_err(|e| distributed(group, "comparing requests", e))?;
     let rows: Vec<&[i32]> = all.as_slice::<i32>().chunks(8).collect();
     if let Some(other) = rows.iter().position(|r| *r != rows[0]) {
         return Err(Error::Distributed {
@@ -95,8 +95,7 @@ pub(crate) fn gather_texts(
         let all = group
             .all_sum(&x)
             .map_err(|e| distributed(group, "gathering texts", e))?;
-        all.eval()
-            .map_err(|e| distributed(group, "gathering texts", e))?;
+        evaluate(Why::Collective, [&all]).map_err(|e| distributed(group, "gathering texts", e))?;
         Ok(all)
     };
     // Each conversation's byte length, then the counts: a rank adds only

@@ -21,6 +21,7 @@ use sha2::{Digest, Sha256};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
+use crate::evaluation::{evaluate, Why};
 
 /// Where a model runs: in this process alone, or as one rank of a group.
 #[derive(Debug, Clone, Default)]
@@ -116,7 +117,7 @@ pub(crate) fn agree(
         message: format!("the start-up handshake: {e}"),
     };
     let all = group.all_gather(&mine).map_err(|e| distributed(&e))?;
-    all.eval().map_err(|e| distributed(&e))?;
+    evaluate(Why::Collective, [&all]).map_err(|e| distributed(&e))?;
     let rows: Vec<&[i32]> = all.as_slice::<i32>().chunks(width).collect();
     for (rank, other) in rows.iter().enumerate() {
         if other[..8] != rows[0][..8] {

@@ -21,6 +21,7 @@ use mlx_rs::{Array, Dtype};
 use mlx_support::distributed::Group;
 
 use crate::error::{Error, Result};
+use crate::evaluation::{evaluate, Why};
 
 /// A rank's layers and its neighbours.
 pub(crate) struct Stage {
@@ -116,7 +117,7 @@ impl Stage {
                     .group
                     .recv(&shape, self.hidden_dtype, self.group.rank() - 1)
                     .map_err(|e| self.err("receiving hidden states", e))?;
-                x.eval()
+                evaluate(Why::Collective, [&x])
                     .map_err(|e| self.err("receiving hidden states", e))?;
                 Ok(x)
             })
@@ -139,8 +140,7 @@ impl Stage {
                 .group
                 .send(x, self.group.rank() + 1)
                 .map_err(|e| self.err("sending hidden states", e))?;
-            sent.eval()
-                .map_err(|e| self.err("sending hidden states", e))?;
+            evaluate(Why::Collective, [&sent]).map_err(|e| self.err("sending hidden states", e))?;
         }
         Ok(())
     }
@@ -177,7 +177,7 @@ impl Stage {
             .group
             .all_gather(&local)
             .map_err(|e| self.err("sharing the logits", e))?;
-        all.eval().map_err(|e| self.err("sharing the logits", e))?;
+        evaluate(Why::Collective, [&all]).map_err(|e| self.err("sharing the logits", e))?;
         let rows = x.dim(0);
         let last = (self.group.size() as i32 - 1) * rows;
         Ok(all.index(last..last + rows))

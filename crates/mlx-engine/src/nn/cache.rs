@@ -6,6 +6,7 @@ use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::evaluation::{evaluate, Why};
 use crate::nn::row_groups::RowGroup;
 
 /// Room added whenever a row-owned buffer must grow, so that decoding
@@ -238,14 +239,14 @@ impl KvCache {
 
     /// Computes every array this cache holds, so that other threads can
     /// read it (MLX evaluates a lazy array on the stream that made it).
-    pub(crate) fn eval(&self) -> Result<()> {
+    pub(crate) fn evaluate(&self) -> Result<()> {
         let shared = self.shared.iter().flatten().flat_map(|(k, v)| [k, v]);
         let owned = self
             .owned
             .iter()
             .flatten()
             .flat_map(|o| [&o.keys, &o.values]);
-        mlx_rs::transforms::eval(shared.chain(owned))?;
+        evaluate(Why::Step, shared.chain(owned))?;
         Ok(())
     }
 

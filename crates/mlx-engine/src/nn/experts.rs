@@ -10,6 +10,7 @@ use mlx_rs::ops::{argpartition_axis, argsort_axis, expand_dims_axes, softmax_axi
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::evaluation::{evaluate, Why};
 use crate::nn::fused::silu_mul;
 use crate::weights::routed::ExpertStack;
 use crate::weights::Linear;
@@ -185,7 +186,7 @@ impl Experts {
         let hidden = x.dim(-1);
         // The choices sorted by expert, as places in `ids`.
         let order = argsort_axis(&chosen.flatten(None, None)?, 0)?;
-        order.eval()?;
+        evaluate(Why::Host, [&order])?;
         let order: Vec<u32> = order
             .try_as_slice::<u32>()
             .map_err(|e| mlx_rs::error::Exception::custom(format!("routed experts: {e}")))?
@@ -208,7 +209,7 @@ impl Experts {
             let down = self.group_products(group, &group_rows, &global, &[n], true)?;
             // Computed now, so that this group's experts are dropped
             // before the next group's are taken.
-            down.eval()?;
+            evaluate(Why::Piece, [&down])?;
             outputs.push(down);
         }
         // (choices, 1, hidden) sorted by expert, back to the choices' own
@@ -251,7 +252,7 @@ impl Experts {
                 Some(sum) => mlx_rs::ops::select(&mine, &down, &sum)?,
                 None => down,
             };
-            kept.eval()?;
+            evaluate(Why::Piece, [&kept])?;
             out = Some(kept);
         }
         let out = out.unwrap_or_else(|| Array::from_f32(0.0));
@@ -294,7 +295,7 @@ impl Experts {
 /// ascending order.
 fn chosen_ids(chosen: &Array) -> Result<(Vec<u32>, Vec<usize>)> {
     let flat = chosen.contiguous()?;
-    flat.eval()?;
+    evaluate(Why::Host, [&flat])?;
     let ids: Vec<u32> = flat
         .try_as_slice::<u32>()
         .map_err(|e| mlx_rs::error::Exception::custom(format!("routed experts: {e}")))?

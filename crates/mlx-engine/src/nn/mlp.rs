@@ -16,6 +16,7 @@
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::evaluation::{evaluate, Why};
 use crate::weights::slices::slice_rows;
 use crate::weights::{Linear, OnUse};
 
@@ -71,10 +72,10 @@ fn in_slices(
         down.product_with_columns(&activated, columns)
     };
     let mut out = slice(0)?;
-    out.eval()?;
+    evaluate(Why::Piece, [&out])?;
     for start in (width..inner).step_by(width) {
         out = out.add(&slice(start)?)?;
-        out.eval()?;
+        evaluate(Why::Piece, [&out])?;
     }
     Ok(out)
 }

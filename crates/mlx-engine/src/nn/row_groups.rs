@@ -18,6 +18,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::evaluation::{evaluate, Why};
 
 /// Some consecutive rows (axis 0) of a batch.
 #[derive(Debug, Clone, PartialEq)]
@@ -81,7 +82,7 @@ pub(crate) fn in_row_groups(
             whole: false,
         };
         let p = part(&group)?;
-        p.eval()?;
+        evaluate(Why::Piece, [&p])?;
         parts.push(p);
     }
     Ok(concatenate(&parts, 0)?)

@@ -9,6 +9,7 @@ use mlx_support::distributed::Group;
 
 use crate::distributed::{self, Placement};
 use crate::error::EngineError;
+use crate::evaluation::{evaluate, Why};
 use crate::models::{Model, Schedule};
 use crate::nn::cache::KvCache;
 use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
@@ -106,7 +107,7 @@ impl GenState {
                 prefill_into(model, &mut prefix_cache, &[&[next[0] as u32]])?;
                 prefix_cache = prefix_cache.fork(1)?;
             }
-            prefix_cache.eval()?;
+            prefix_cache.evaluate()?;
         }
         let schedule = model.schedule();
         #[expect(
@@ -387,7 +388,7 @@ pub(crate) fn pick_tokens(
     };
     let next = argmax_axis(&logits, -1, None)?.as_dtype(mlx_rs::Dtype::Int32)?;
     let finite = logits.is_nan()?.any(None)?.logical_not()?;
-    mlx_rs::transforms::eval([&next, &finite])?;
+    evaluate(Why::Step, [&next, &finite])?;
     if !finite.item_exact::<bool>() {
         return Err(crate::Error::NotFiniteLogits);
     }
@@ -473,7 +474,7 @@ fn generate_chunk(
             } else {
                 // Computed now, so that what the group's forward holds goes
                 // before the next group's runs.
-                last.eval()?;
+                evaluate(Why::Piece, [&last])?;
             }
             lasts.push(last);
         }
@@ -567,9 +568,8 @@ fn prefill_into(model: &Model, cache: &mut KvCache, rows: &[&[u32]]) -> crate::R
         if end == width {
             return Ok(last);
         }
-        // Evaluated piece by piece: otherwise the lazy graph of every piece
-        // would be computed at once, with all their scores alive together.
-        last.eval()?;
+        // Else every piece's graph would be computed at once, scores and all.
+        evaluate(Why::Piece, [&last])?;
         start = end;
     }
 }

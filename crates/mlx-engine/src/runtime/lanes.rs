@@ -28,6 +28,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use mlx_rs::Array;
 
+use crate::evaluation::{evaluate, Why};
 use crate::models::{Model, Schedule};
 use crate::nn::cache::KvCache;
 
@@ -126,7 +127,7 @@ impl ForLanes {
         if model.schedule() == Schedule::LayerByLayer {
             return Ok(None);
         }
-        prefix_cache.eval()?;
+        prefix_cache.evaluate()?;
         Ok(Some(ForLanes {
             model: model.clone(),
             prefix_cache: prefix_cache.clone(),
@@ -350,7 +351,7 @@ fn serve(jobs: &Receiver<Job>) {
             let mut remote = |logits: &Array| -> crate::Result<Vec<i32>> {
                 // Computed here, on the lane's stream: the caller's thread
                 // only reads it.
-                logits.eval()?;
+                evaluate(Why::Step, [logits])?;
                 let (reply_tx, reply_rx) = bounded(1);
                 replies
                     .send(Request::Pick(logits.clone(), reply_tx))

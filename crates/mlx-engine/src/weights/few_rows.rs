@@ -102,25 +102,32 @@ pub(crate) fn on_host(
     let flat = x.reshape(&[rows as i32, inputs as i32])?.contiguous()?;
     let xs = host_f32(&flat)?;
     let threads = mlx_support::blas_threads().unwrap_or(1).max(1);
-    let y = mlx_support::array_written::<crate::error::Error>(
-        "few_rows::product",
-        st_mmap::Dtype::F32,
-        &[rows, outputs],
-        |bytes| {
-            // SAFETY: any bit pattern is an f32; `align_to_mut` only
-            // yields the part of the buffer that is aligned for one.
-            let (head, sums, tail) = unsafe { bytes.align_to_mut::<f32>() };
-            if !head.is_empty() || !tail.is_empty() {
-                return Err(host_error("MLX's buffer is not aligned for f32"));
-            }
-            kernel(xs, rows, sums, threads)
-        },
-    )?;
+    let y = host_written("few_rows::product", &[rows, outputs], |sums| {
+        kernel(xs, rows, sums, threads)
+    })?;
     let mut shape = x.shape().to_vec();
     if let Some(last) = shape.last_mut() {
         *last = outputs as i32;
     }
     Ok(y.reshape(&shape)?)
+}
+
+/// A new f32 array of `shape` whose values `fill` writes on the host,
+/// straight into MLX's buffer (`what` names it in errors).
+pub(crate) fn host_written(
+    what: &str,
+    shape: &[usize],
+    fill: impl FnOnce(&mut [f32]) -> Result<()>,
+) -> Result<Array> {
+    mlx_support::array_written::<crate::error::Error>(what, st_mmap::Dtype::F32, shape, |bytes| {
+        // SAFETY: any bit pattern is an f32; `align_to_mut` only yields
+        // the part of the buffer that is aligned for one.
+        let (head, values, tail) = unsafe { bytes.align_to_mut::<f32>() };
+        if !head.is_empty() || !tail.is_empty() {
+            return Err(host_error("MLX's buffer is not aligned for f32"));
+        }
+        fill(values)
+    })
 }
 
 /// The evaluated, row-contiguous f32 data of `a`.

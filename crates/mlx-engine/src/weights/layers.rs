@@ -15,12 +15,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use block_stream::{BlockLoraSource, BlockStreamer, CheckpointLoraFuser};
-use mlx_rs::transforms::eval;
 use mlx_rs::Array;
 use mlx_support::QuantizationConfig;
 use st_mmap::{BlockPrefix, SafetensorsSet};
 
 use crate::error::{Error, Result};
+use crate::evaluation::{evaluate, Why};
 use crate::nn::cache::KvCache;
 use crate::weights::kernels::Products;
 use crate::weights::memory_mode::MemoryMode;
@@ -204,7 +204,7 @@ impl<L> Layers<L> {
             for pass in passes.iter_mut() {
                 let outputs = step(i, &layer, pass)?;
                 if self.streamed() {
-                    eval(&outputs)?;
+                    evaluate(Why::Layer, &outputs)?;
                 }
             }
         }

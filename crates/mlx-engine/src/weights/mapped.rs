@@ -23,6 +23,7 @@ use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
+use crate::evaluation::{evaluate, Why};
 use crate::weights::quantized::QuantizedWeights;
 use crate::weights::rows::GatheredRows;
 use crate::weights::slices::{head_slice_rows, in_row_slices};
@@ -112,7 +113,7 @@ impl MappedTable {
         // A prefill piece is a column slice of the padded block: copied
         // into a contiguous array before its ids are read.
         let ids = tokens.as_dtype(Dtype::Int32)?.contiguous()?;
-        ids.eval()?;
+        evaluate(Why::Host, [&ids])?;
         let ids: &[i32] = ids
             .try_as_slice()
             .map_err(|e| mlx_rs::error::Exception::custom(format!("token ids: {e:?}")))?;

@@ -33,6 +33,7 @@ use mlx_support::{array_from_bytes, Quantization, QuantizationConfig};
 use st_mmap::{SafetensorsSet, TensorView};
 
 use crate::error::{Error, Result};
+use crate::evaluation::{evaluate, Why};
 pub(crate) use crate::weights::embedding::Embedding;
 use crate::weights::kernels::Products;
 pub(crate) use crate::weights::key::KeyPath;
@@ -236,7 +237,7 @@ impl Weights<'_> {
             weight.t().contiguous()?
         };
         if self.streamed.is_none() {
-            laid_out.eval()?;
+            evaluate(Why::Load, [&laid_out])?;
         }
         Ok(Linear {
             weight: laid_out,
@@ -270,7 +271,7 @@ impl Weights<'_> {
                 // Evaluated here: lanes only read arrays computed before
                 // they start.
                 let rows = packed.dense_f32(&weight)?;
-                rows.eval()?;
+                evaluate(Why::Load, [&rows])?;
                 Embedding::Dense(rows)
             }
             Some((weight, packed)) => Embedding::Packed { weight, packed },

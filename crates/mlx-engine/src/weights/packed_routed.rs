@@ -18,7 +18,7 @@ use mlx_rs::Array;
 use mlx_support::Quantization;
 
 use crate::error::Result;
-use crate::weights::few_rows::{self, host_error, host_f32};
+use crate::weights::few_rows::{self, host_f32, host_written};
 use crate::weights::packed_product::{multiply, Matrix};
 
 /// `(…shape, 1, out)`: for each choice `c` of `experts` (places in the
@@ -74,34 +74,23 @@ pub(crate) fn routed_product(
     let threads = mlx_support::blas_threads().unwrap_or(1).max(1);
     let mut run_x = Vec::new();
     let mut run_y = Vec::new();
-    let y = mlx_support::array_written::<crate::error::Error>(
-        "packed_routed::routed_product",
-        st_mmap::Dtype::F32,
-        &[choices, out],
-        |bytes| {
-            // SAFETY: any bit pattern is an f32; `align_to_mut` only
-            // yields the part of the buffer that is aligned for one.
-            let (head, sums, tail) = unsafe { bytes.align_to_mut::<f32>() };
-            if !head.is_empty() || !tail.is_empty() {
-                return Err(host_error("MLX's buffer is not aligned for f32"));
+    let y = host_written("packed_routed::routed_product", &[choices, out], |sums| {
+        for run in order.chunk_by(|&a, &b| experts[a] == experts[b]) {
+            matrix.first_output = experts[run[0]] as usize * out;
+            run_x.clear();
+            for &c in run {
+                let r = c / per_row;
+                run_x.extend_from_slice(&xs[r * inputs..(r + 1) * inputs]);
             }
-            for run in order.chunk_by(|&a, &b| experts[a] == experts[b]) {
-                matrix.first_output = experts[run[0]] as usize * out;
-                run_x.clear();
-                for &c in run {
-                    let r = c / per_row;
-                    run_x.extend_from_slice(&xs[r * inputs..(r + 1) * inputs]);
-                }
-                run_y.clear();
-                run_y.resize(run.len() * out, 0.0);
-                multiply(&matrix, &run_x, run.len(), &mut run_y, threads);
-                for (j, &c) in run.iter().enumerate() {
-                    sums[c * out..(c + 1) * out].copy_from_slice(&run_y[j * out..(j + 1) * out]);
-                }
+            run_y.clear();
+            run_y.resize(run.len() * out, 0.0);
+            multiply(&matrix, &run_x, run.len(), &mut run_y, threads);
+            for (j, &c) in run.iter().enumerate() {
+                sums[c * out..(c + 1) * out].copy_from_slice(&run_y[j * out..(j + 1) * out]);
             }
-            Ok(())
-        },
-    )?;
+        }
+        Ok(())
+    })?;
     let mut shape = shape.to_vec();
     shape.extend([1, out as i32]);
     Ok(Some(y.reshape(&shape)?))

@@ -17,6 +17,7 @@ use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
+use crate::evaluation::{evaluate, Why};
 use crate::weights::memory_mode::MemoryMode;
 use crate::weights::packed_routed;
 use crate::weights::unpack::dequantize_f32;
@@ -303,7 +304,7 @@ impl Weights<'_> {
         // Computed now, on the thread that loads: lanes read the model's
         // arrays from other threads and cannot compute one.
         match &whole {
-            ExpertMatrices::Dense(w) => w.eval()?,
+            ExpertMatrices::Dense(w) => evaluate(Why::Load, [w])?,
             ExpertMatrices::Packed { .. } | ExpertMatrices::PackedOnHost { .. } => {}
         }
         Ok(ExpertStack::Whole(whole))

@@ -6,6 +6,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::evaluation::{evaluate, Why};
 use crate::nn::row_groups::rows_within;
 
 /// The f32 bytes of the slice of rows in which a packed matrix is
@@ -65,7 +66,7 @@ pub(crate) fn in_row_slices(
     while start < rows {
         let end = (start + step).min(rows);
         let p = part(start..end)?;
-        p.eval()?;
+        evaluate(Why::Piece, [&p])?;
         parts.push(p);
         start = end;
     }

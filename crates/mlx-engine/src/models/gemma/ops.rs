@@ -5,6 +5,7 @@ use mlx_rs::ops::{clip, power, tanh};
 use mlx_rs::{Array, Dtype};
 
 use crate::error::Result;
+use crate::evaluation::{evaluate, Why};
 use crate::models::gemma::config::Version;
 use crate::nn::fused::gelu_tanh_mul;
 use crate::weights::{KeyPath, Weights};
@@ -19,7 +20,7 @@ pub(super) fn norm(w: &Weights<'_>, version: Version, key: &KeyPath, len: usize)
         Version::Four => weight,
         Version::Three => {
             let plus_one = weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?;
-            plus_one.eval()?;
+            evaluate(Why::Load, [&plus_one])?;
             plus_one
         }
     })
