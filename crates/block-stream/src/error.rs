@@ -51,12 +51,39 @@ pub enum Error {
     /// LoRA sources were given to `bind` but the streamer has no fuser.
     #[error("LoRA sources were passed to bind, but this streamer has no LoRA fuser")]
     NoFuser,
-    /// A LoRA pair does not fit the weight it adapts.
-    #[error("block {block}: LoRA for {param:?}: {message}")]
+    /// A LoRA pair that cannot be applied: a weight the block does not
+    /// have, a shape that does not fit it, or a block the model does not
+    /// have. `key` is the pair's down projection as the adapter file
+    /// stores it.
+    #[error("{}: {key} (block {block}, {param:?}): {message}", adapter.display())]
     Lora {
+        adapter: PathBuf,
+        key: String,
         block: usize,
         param: String,
         message: String,
+    },
+    /// An adapter file's key that is half of a pair without the other half.
+    #[error("{}: {key} has no {missing} beside it: a LoRA pair needs both halves", path.display())]
+    HalfPair {
+        path: PathBuf,
+        key: String,
+        /// The suffix of the missing half (e.g. `.lora_B.weight`).
+        missing: String,
+    },
+    /// An adapter file none of whose pairs lies under the block prefix (or
+    /// that holds no tensor at all): applied, it would change nothing.
+    #[error(
+        "{}: no LoRA pair matches a block under {prefix:?}{}",
+        path.display(),
+        if outside.is_empty() { " (the file holds no pair at all)".to_owned() } else { format!("; its pairs are under other names, e.g. {outside:?}") }
+    )]
+    NoPairs {
+        path: PathBuf,
+        prefix: String,
+        /// Up to three of the file's keys (after any key mapper) that end
+        /// like a pair's half but lie outside the prefix.
+        outside: Vec<String>,
     },
     /// An mlx_lm adapter folder that cannot be used: its config or its
     /// pairs (see [`MlxLmAdapter::open`](crate::MlxLmAdapter::open)).

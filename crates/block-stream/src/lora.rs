@@ -33,6 +33,8 @@ pub struct LoraPair {
     pub b: Array,
     /// The layout, and with it the arithmetic the pair is fused with.
     pub layout: LoraLayout,
+    /// The down projection's key as the adapter file stores it.
+    pub key: String,
 }
 
 /// LoRA A/B matrices from a safetensors file, indexed by block.
@@ -41,8 +43,12 @@ pub struct LoraPair {
 /// `{prefix}{i}.{param}.lora_A.weight` / `….lora_B.weight` (PEFT, diffusers)
 /// or, opened with [`open_mlx_lm`](Self::open_mlx_lm), mlx_lm's
 /// `{prefix}{i}.{param}.lora_a` / `….lora_b` form block `i`'s pair for
-/// `param`. Keys outside the prefix, other suffixes (e.g. `.alpha`) and
-/// unpaired halves are ignored.
+/// `param`. Keys outside the prefix (e.g. a text encoder's pairs beside a
+/// transformer's) and other suffixes (e.g. `.alpha`) are ignored; a half
+/// without its pair ([`Error::HalfPair`]) and a file none of whose pairs
+/// lies under the prefix ([`Error::NoPairs`]) are errors when opened, and a
+/// pair for a block or weight the model lacks ([`Error::Lora`]) when the
+/// streamer applies it: an adapter never silently changes nothing.
 #[derive(Debug)]
 pub struct BlockLoraSource {
     path: PathBuf,
@@ -97,11 +103,15 @@ impl BlockLoraSource {
         let prefix = BlockPrefix::new(block_prefix);
         let mut halves: BTreeMap<(usize, String), (Option<String>, Option<String>)> =
             BTreeMap::new();
+        let mut outside = Vec::new();
         for info in header.tensors() {
             let Some(mapped) = key_mapper(&info.name) else {
                 continue;
             };
             let Some((block, rest)) = prefix.parse(&mapped)? else {
+                if mapped.ends_with(a_suffix) || mapped.ends_with(b_suffix) {
+                    outside.push(mapped);
+                }
                 continue;
             };
             if let Some(param) = rest.strip_suffix(a_suffix) {
@@ -112,9 +122,27 @@ impl BlockLoraSource {
         }
         let mut pairs: BTreeMap<usize, BTreeMap<String, (String, String)>> = BTreeMap::new();
         for ((block, param), halves) in halves {
-            if let (Some(a), Some(b)) = halves {
-                pairs.entry(block).or_default().insert(param, (a, b));
+            let half = |key: String, missing: &str| Error::HalfPair {
+                path: path.clone(),
+                key,
+                missing: missing.to_owned(),
+            };
+            match halves {
+                (Some(a), Some(b)) => {
+                    pairs.entry(block).or_default().insert(param, (a, b));
+                }
+                (Some(a), None) => return Err(half(a, b_suffix)),
+                (None, Some(b)) => return Err(half(b, a_suffix)),
+                (None, None) => {}
             }
+        }
+        if pairs.is_empty() {
+            outside.truncate(3);
+            return Err(Error::NoPairs {
+                path,
+                prefix: block_prefix.to_owned(),
+                outside,
+            });
         }
         Ok(BlockLoraSource {
             path,
@@ -133,6 +161,18 @@ impl BlockLoraSource {
     /// The file this source reads.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The blocks this source has pairs for, ascending.
+    pub fn blocks(&self) -> impl Iterator<Item = usize> + '_ {
+        self.pairs.keys().copied()
+    }
+
+    /// The stored key of the first pair's down projection in block `idx`
+    /// (what errors about the block name).
+    pub(crate) fn first_key(&self, idx: usize) -> Option<&str> {
+        let (a, _) = self.pairs.get(&idx)?.values().next()?;
+        Some(a)
     }
 
     /// Whether at least one complete A/B pair exists for block `idx`.
@@ -157,6 +197,7 @@ impl BlockLoraSource {
                     a: load(a)?,
                     b: load(b)?,
                     layout: self.layout,
+                    key: a.clone(),
                 })
             })
             .collect()
@@ -204,85 +245,93 @@ where
     }
 }
 
-/// Fuses `pair` into `weights` with the workspace's one LoRA arithmetic (of
-/// the pair's layout), naming the block and parameter when it does not fit.
-fn fuse_pair(
+/// One pair of one source being applied to a block: what its errors name.
+struct Applying<'a> {
+    source: &'a BlockLoraSource,
     block: usize,
-    pair: &LoraPair,
-    strength: f32,
-    weights: &LinearWeights,
-    quant: Option<Quantization>,
-) -> Result<LinearWeights> {
-    let lora = Lora {
-        a: &pair.a,
-        b: &pair.b,
-        scale: strength,
-        layout: pair.layout,
-    };
-    fuse_lora(weights, quant, lora).map_err(|e| match e {
-        mlx_support::Error::Mlx(e) => Error::Mlx(e),
-        other => Error::Lora {
-            block,
-            param: pair.param.clone(),
-            message: other.to_string(),
-        },
-    })
+    pair: &'a LoraPair,
 }
 
-/// Replaces `{param}.weight` in `weights` by its fused dense form.
-fn fuse_dense(
-    weights: &mut Vec<(String, Array)>,
+impl Applying<'_> {
+    fn error(&self, message: String) -> Error {
+        Error::Lora {
+            adapter: self.source.path.clone(),
+            key: self.pair.key.clone(),
+            block: self.block,
+            param: self.pair.param.clone(),
+            message,
+        }
+    }
+
+    /// Fuses the pair into `weights` with the workspace's one LoRA
+    /// arithmetic (of the pair's layout).
+    fn fuse(&self, weights: &LinearWeights, quant: Option<Quantization>) -> Result<LinearWeights> {
+        let lora = Lora {
+            a: &self.pair.a,
+            b: &self.pair.b,
+            scale: self.source.strength,
+            layout: self.pair.layout,
+        };
+        fuse_lora(weights, quant, lora).map_err(|e| match e {
+            mlx_support::Error::Mlx(e) => Error::Mlx(e),
+            other => self.error(other.to_string()),
+        })
+    }
+
+    /// Takes `name` out of the block's `weights`.
+    fn take(&self, weights: &mut Vec<(String, Array)>, name: &str) -> Result<Array> {
+        let at = weights
+            .iter()
+            .position(|(n, _)| n == name)
+            .ok_or_else(|| self.error(format!("the block has no {name:?} to adapt")))?;
+        Ok(weights.swap_remove(at).1)
+    }
+
+    /// Replaces `{param}.weight` in `weights` by its fused dense form.
+    fn fuse_dense(&self, weights: &mut Vec<(String, Array)>) -> Result<()> {
+        let name = format!("{}.weight", self.pair.param);
+        let w = self.take(weights, &name)?;
+        let fused = self.fuse(&LinearWeights::dense(w), None)?;
+        weights.push((name, fused.weight));
+        Ok(())
+    }
+
+    /// Replaces `{param}.weight`, `.scales` and `.biases` in `weights`:
+    /// dequantized with `q`, adapted, requantized.
+    fn fuse_quantized(&self, weights: &mut Vec<(String, Array)>, q: Quantization) -> Result<()> {
+        let names = ["weight", "scales", "biases"].map(|p| format!("{}.{p}", self.pair.param));
+        let stored = LinearWeights {
+            weight: self.take(weights, &names[0])?,
+            scales: Some(self.take(weights, &names[1])?),
+            biases: Some(self.take(weights, &names[2])?),
+        };
+        let fused = self.fuse(&stored, Some(q))?;
+        let parts = [
+            fused.weight,
+            fused.scales.expect("quantized"),
+            fused.biases.expect("kept"),
+        ];
+        weights.extend(names.into_iter().zip(parts));
+        Ok(())
+    }
+}
+
+/// Each pair of each source for `block`, to be applied.
+fn each_pair(
     block: usize,
-    pair: &LoraPair,
-    strength: f32,
+    sources: &[&BlockLoraSource],
+    mut apply: impl FnMut(&Applying<'_>) -> Result<()>,
 ) -> Result<()> {
-    let name = format!("{}.weight", pair.param);
-    let w = take(weights, &name, block, &pair.param)?;
-    let fused = fuse_pair(block, pair, strength, &LinearWeights::dense(w), None)?;
-    weights.push((name, fused.weight));
+    for &source in sources {
+        for pair in source.pairs(block)? {
+            apply(&Applying {
+                source,
+                block,
+                pair: &pair,
+            })?;
+        }
+    }
     Ok(())
-}
-
-/// Replaces `{param}.weight`, `.scales` and `.biases` in `weights`:
-/// dequantized with `q`, adapted, requantized.
-fn fuse_quantized(
-    weights: &mut Vec<(String, Array)>,
-    block: usize,
-    pair: &LoraPair,
-    strength: f32,
-    q: Quantization,
-) -> Result<()> {
-    let names = ["weight", "scales", "biases"].map(|p| format!("{}.{p}", pair.param));
-    let stored = LinearWeights {
-        weight: take(weights, &names[0], block, &pair.param)?,
-        scales: Some(take(weights, &names[1], block, &pair.param)?),
-        biases: Some(take(weights, &names[2], block, &pair.param)?),
-    };
-    let fused = fuse_pair(block, pair, strength, &stored, Some(q))?;
-    let parts = [
-        fused.weight,
-        fused.scales.expect("quantized"),
-        fused.biases.expect("kept"),
-    ];
-    weights.extend(names.into_iter().zip(parts));
-    Ok(())
-}
-
-fn take(
-    weights: &mut Vec<(String, Array)>,
-    name: &str,
-    block: usize,
-    param: &str,
-) -> Result<Array> {
-    let at = weights
-        .iter()
-        .position(|(n, _)| n == name)
-        .ok_or_else(|| Error::Lora {
-            block,
-            param: param.to_owned(),
-            message: format!("the block has no {name:?} to adapt"),
-        })?;
-    Ok(weights.swap_remove(at).1)
 }
 
 /// Dense LoRA: `W' = W + strength · (B @ A)` for `A` (rank, in) and `B`
@@ -299,11 +348,7 @@ impl LoraFuser for DenseLoraFuser {
         mut weights: Vec<(String, Array)>,
         sources: &[&BlockLoraSource],
     ) -> Result<Vec<(String, Array)>> {
-        for source in sources {
-            for pair in source.pairs(block)? {
-                fuse_dense(&mut weights, block, &pair, source.strength())?;
-            }
-        }
+        each_pair(block, sources, |p| p.fuse_dense(&mut weights))?;
         Ok(weights)
     }
 }
@@ -330,11 +375,7 @@ impl LoraFuser for QuantizedLoraFuser {
             group_size: self.group_size,
             bits: self.bits,
         };
-        for source in sources {
-            for pair in source.pairs(block)? {
-                fuse_quantized(&mut weights, block, &pair, source.strength(), q)?;
-            }
-        }
+        each_pair(block, sources, |p| p.fuse_quantized(&mut weights, q))?;
         Ok(weights)
     }
 }
@@ -368,24 +409,19 @@ impl LoraFuser for CheckpointLoraFuser {
         mut weights: Vec<(String, Array)>,
         sources: &[&BlockLoraSource],
     ) -> Result<Vec<(String, Array)>> {
-        for source in sources {
-            for pair in source.pairs(block)? {
-                let scales = format!("{}.scales", pair.param);
-                if !weights.iter().any(|(n, _)| *n == scales) {
-                    fuse_dense(&mut weights, block, &pair, source.strength())?;
-                    continue;
-                }
-                let module = self.prefix.key(block, &pair.param);
-                let q = self.quantization.of(&module).ok_or_else(|| Error::Lora {
-                    block,
-                    param: pair.param.clone(),
-                    message: format!(
-                        "{module} is quantized in the weights but the quantization config does not cover it"
-                    ),
-                })?;
-                fuse_quantized(&mut weights, block, &pair, source.strength(), q)?;
+        each_pair(block, sources, |p| {
+            let scales = format!("{}.scales", p.pair.param);
+            if !weights.iter().any(|(n, _)| *n == scales) {
+                return p.fuse_dense(&mut weights);
             }
-        }
+            let module = self.prefix.key(block, &p.pair.param);
+            let q = self.quantization.of(&module).ok_or_else(|| {
+                p.error(format!(
+                    "{module} is quantized in the weights but the quantization config does not cover it"
+                ))
+            })?;
+            p.fuse_quantized(&mut weights, q)
+        })?;
         Ok(weights)
     }
 }

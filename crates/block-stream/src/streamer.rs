@@ -267,7 +267,9 @@ impl BlockStreamer {
     /// next block's bytes are read ahead as in `bind`.
     ///
     /// `lora_sources` are fused by the streamer's fuser (an error without
-    /// one); sources without LoRA for this block are skipped.
+    /// one); sources without LoRA for this block are skipped. A source with
+    /// a pair for a block the files do not hold, or for a weight the block
+    /// does not have, is [`Error::Lora`] naming its file and key.
     pub fn block_weights(
         &mut self,
         idx: usize,
@@ -277,6 +279,7 @@ impl BlockStreamer {
         if !lora_sources.is_empty() && self.fuser.is_none() {
             return Err(Error::NoFuser);
         }
+        self.check_blocks(lora_sources)?;
         let with_lora: Vec<&BlockLoraSource> = lora_sources
             .iter()
             .copied()
@@ -296,6 +299,31 @@ impl BlockStreamer {
             }
         }
         Ok(weights)
+    }
+
+    /// Checks that every block the sources adapt is one of the streamer's:
+    /// a pair for a block the model lacks would otherwise never be applied.
+    fn check_blocks(&self, lora_sources: &[&BlockLoraSource]) -> Result<()> {
+        for source in lora_sources {
+            for block in source.blocks() {
+                if self.index.params(block).is_none() {
+                    let known: Vec<usize> = self.index.blocks().collect();
+                    return Err(Error::Lora {
+                        adapter: source.path().to_path_buf(),
+                        key: source.first_key(block).unwrap_or_default().to_owned(),
+                        block,
+                        param: String::new(),
+                        message: format!(
+                            "the model has no block {block} under {:?} (its blocks: {}..={})",
+                            self.prefix.as_str(),
+                            known.first().copied().unwrap_or(0),
+                            known.last().copied().unwrap_or(0),
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Binds block `idx`'s weights into `block`'s parameters.

@@ -310,8 +310,9 @@ fn lora_file(dir: &Path, prefix: &str) -> (PathBuf, Vec<f32>, Vec<f32>) {
         &[
             f32_tensor(format!("{prefix}1.attn.lora_A.weight"), vec![2, 6], &a),
             f32_tensor(format!("{prefix}1.attn.lora_B.weight"), vec![4, 2], &b),
-            f32_tensor(format!("{prefix}1.norm.lora_A.weight"), vec![2, 6], &a), // unpaired: ignored
+            // Outside the prefix: another model's part, ignored.
             f32_tensor("text_encoder.0.lora_A.weight".into(), vec![1], &[0.0]),
+            f32_tensor("text_encoder.0.lora_B.weight".into(), vec![1], &[0.0]),
         ],
     );
     (path, a, b)
@@ -382,11 +383,88 @@ fn key_mapper_renames_and_drops_keys() {
     .unwrap();
     assert!(source.has_block(1));
     assert_eq!(source.pairs(1).unwrap().len(), 1);
-    let plain = BlockLoraSource::open(&lora_path, PREFIX, 1.0).unwrap();
+    // Without the mapper no pair matches the prefix: an error that names
+    // the file and shows where its pairs are.
+    let err = BlockLoraSource::open(&lora_path, PREFIX, 1.0).unwrap_err();
+    let text = err.to_string();
     assert!(
-        !plain.has_block(1),
-        "without the mapper no key matches the prefix"
+        matches!(&err, Error::NoPairs { path, outside, .. }
+            if path == &lora_path && outside.iter().any(|k| k.starts_with("diffusion_model.blocks.1.attn"))),
+        "{text}"
     );
+    assert!(
+        text.contains("lora.safetensors") && text.contains(PREFIX),
+        "{text}"
+    );
+}
+
+#[test]
+fn an_adapter_that_adapts_nothing_is_an_error_naming_its_file_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = [0.5f32; 12];
+    let b = [0.25f32; 8];
+    let file = |name: &str, tensors: &[Tensor]| {
+        let path = dir.path().join(name);
+        write(&path, tensors);
+        path
+    };
+    // An empty file.
+    let empty = file("empty.safetensors", &[]);
+    let err = BlockLoraSource::open(&empty, PREFIX, 1.0).unwrap_err();
+    assert!(
+        matches!(&err, Error::NoPairs { path, .. } if path == &empty),
+        "{err}"
+    );
+    // Half a pair beside a whole one.
+    let half = file(
+        "half.safetensors",
+        &[
+            f32_tensor(format!("{PREFIX}1.attn.lora_A.weight"), vec![2, 6], &a),
+            f32_tensor(format!("{PREFIX}1.attn.lora_B.weight"), vec![4, 2], &b),
+            f32_tensor(format!("{PREFIX}1.norm.lora_A.weight"), vec![2, 6], &a),
+        ],
+    );
+    let err = BlockLoraSource::open(&half, PREFIX, 1.0).unwrap_err();
+    assert!(
+        matches!(&err, Error::HalfPair { path, key, missing }
+            if path == &half && key == &format!("{PREFIX}1.norm.lora_A.weight") && missing == ".lora_B.weight"),
+        "{err}"
+    );
+    let mut streamer = BlockStreamer::new(model(dir.path()), PREFIX)
+        .unwrap()
+        .with_fuser(DenseLoraFuser);
+    // A pair for a weight the block does not have (`mlp`), and one for a
+    // block the model does not have (7): errors when applied, naming the
+    // adapter and the key, not a block left as it was.
+    for (name, key, says) in [
+        (
+            "no-weight.safetensors",
+            format!("{PREFIX}0.mlp"),
+            "has no \"mlp.weight\"",
+        ),
+        (
+            "no-block.safetensors",
+            format!("{PREFIX}7.attn"),
+            "no block 7",
+        ),
+    ] {
+        let path = file(
+            name,
+            &[
+                f32_tensor(format!("{key}.lora_A.weight"), vec![2, 6], &a),
+                f32_tensor(format!("{key}.lora_B.weight"), vec![4, 2], &b),
+            ],
+        );
+        let source = BlockLoraSource::open(&path, PREFIX, 1.0).unwrap();
+        let err = streamer.bind(&mut block(), 0, &[&source]).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(&err, Error::Lora { adapter, key: k, .. }
+                if adapter == &path && k == &format!("{key}.lora_A.weight")),
+            "{text}"
+        );
+        assert!(text.contains(name) && text.contains(says), "{text}");
+    }
 }
 
 #[test]
@@ -414,7 +492,8 @@ fn mismatched_lora_shapes_are_reported() {
         .with_fuser(DenseLoraFuser);
     let err = streamer.bind(&mut block(), 0, &[&source]).unwrap_err();
     assert!(
-        matches!(&err, Error::Lora { block: 0, param, .. } if param == "attn"),
+        matches!(&err, Error::Lora { block: 0, param, adapter, key, .. }
+            if param == "attn" && adapter == &path && key == &format!("{PREFIX}0.attn.lora_A.weight")),
         "{err}"
     );
 }

@@ -380,3 +380,42 @@ fn the_kernels_setting_is_read_strictly_from_the_environment() {
         "{stderr}"
     );
 }
+
+/// An mlx_lm adapter whose pairs the model cannot take — a layer it does
+/// not have, a projection its layers do not have — fails the engine's load
+/// with an error naming the adapter file and the key, instead of loading a
+/// model that answers as the base does.
+#[test]
+fn an_adapter_the_model_cannot_take_fails_the_load_naming_the_file_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path());
+    for (module, says) in [
+        ("model.layers.7.self_attn.q_proj", "no block 7"),
+        ("model.layers.1.self_attn.qkv_proj", "qkv_proj.weight"),
+    ] {
+        let adapter = tempfile::tempdir().unwrap();
+        let tensors = [
+            (format!("{module}.lora_a"), normal(&[64, 2], 1, 0.1)),
+            (format!("{module}.lora_b"), normal(&[2, 64], 2, 0.1)),
+        ];
+        let file = adapter.path().join("adapters.safetensors");
+        Array::save_safetensors(tensors.iter().map(|(k, v)| (k.as_str(), v)), None, &file).unwrap();
+        std::fs::write(
+            adapter.path().join("adapter_config.json"),
+            r#"{"fine_tune_type": "lora", "lora_parameters": {"rank": 2, "scale": 2.0}}"#,
+        )
+        .unwrap();
+        let err = MlxEngine::new(EngineConfig::new(dir.path()).adapter(adapter.path()))
+            .and_then(|engine| engine.ensure_loaded())
+            .err()
+            .unwrap_or_else(|| panic!("{module}: the load fails"));
+        let text = format!("{err}: {:?}", std::error::Error::source(&err));
+        assert!(matches!(err, EngineError::Load(_)), "{text}");
+        assert!(
+            text.contains("adapters.safetensors")
+                && text.contains(&format!("{module}.lora_a"))
+                && text.contains(says),
+            "{module}: {text}"
+        );
+    }
+}
