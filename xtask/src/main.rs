@@ -250,11 +250,25 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(p) = starting_port {
                 cargo.args(["--starting-port", &p.to_string()]);
             }
-            let status = cargo.arg("--").args(&command).status()?;
-            if !status.success() {
-                bail!("the job failed ({status})");
+            cargo.arg("--").args(&command);
+            // This process becomes cargo, and cargo the launcher (`cargo
+            // run` replaces itself with the program), so that a signal to
+            // `cargo xtask launch` (timeout, a scheduler) reaches the
+            // launcher, which passes it on to the ranks.
+            #[cfg(unix)]
+            {
+                use std::os::unix::process::CommandExt;
+                let err = cargo.exec();
+                Err(err).context("running cargo run -p mlx-support --bin mlx-launch")
             }
-            Ok(())
+            #[cfg(not(unix))]
+            {
+                let status = cargo.status()?;
+                if !status.success() {
+                    bail!("the job failed ({status})");
+                }
+                Ok(())
+            }
         }
         Cmd::MemoryLimit {
             model_dir,

@@ -7,12 +7,21 @@
 //! other hosts over `ssh` — forwards their output with a `[rank N]` prefix,
 //! and ends every rank when one fails or the deadline passes, so that no
 //! rank is left waiting for a peer that is gone.
+//!
+//! A job asked to stop ([`Launch::stop_when`]: `mlx-launch` sets it on
+//! SIGTERM and SIGINT) passes the signal on to every rank, gives them
+//! [`Launch::grace`] to exit, then kills the rest. A rank on another host
+//! runs under a small shell wrapper that reads signal names from its ssh
+//! connection and ends the rank when the connection closes, so that not
+//! even a launcher killed outright leaves a remote rank behind.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::process::ChildStdin;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -49,6 +58,11 @@ pub enum LaunchError {
         waited: Duration,
         ranks: Vec<RankExit>,
     },
+    /// The job was asked to stop ([`Launch::stop_when`]): `signal` was
+    /// passed on to every rank, and those still running after the grace
+    /// period were killed.
+    #[error("stopped by signal {signal}; every rank was ended")]
+    Stopped { signal: i32, ranks: Vec<RankExit> },
 }
 
 /// How one rank ended, and what it printed (stdout and stderr, in order
@@ -75,6 +89,8 @@ pub struct Launch {
     echo: bool,
     hostfile_dir: Option<PathBuf>,
     per_rank: Vec<(usize, OsString, Vec<OsString>)>,
+    stop: Option<Arc<AtomicUsize>>,
+    grace: Duration,
 }
 
 impl Launch {
@@ -94,6 +110,8 @@ impl Launch {
             echo: true,
             hostfile_dir: None,
             per_rank: Vec::new(),
+            stop: None,
+            grace: Duration::from_secs(5),
         }
     }
 
@@ -142,6 +160,22 @@ impl Launch {
     /// default; they are kept in [`RankExit::output`] either way).
     pub fn echo(mut self, echo: bool) -> Launch {
         self.echo = echo;
+        self
+    }
+
+    /// Stops the job once `signal` holds a signal number (non-zero): the
+    /// number is passed on to every rank, as `kill` would send it, and the
+    /// run returns [`LaunchError::Stopped`]. What `signal-hook`'s
+    /// `flag::register_usize` sets from a handler is such a value.
+    pub fn stop_when(mut self, signal: Arc<AtomicUsize>) -> Launch {
+        self.stop = Some(signal);
+        self
+    }
+
+    /// How long ranks asked to stop (or left running when the job ends)
+    /// may take to exit before they are killed (default 5 s).
+    pub fn grace(mut self, grace: Duration) -> Launch {
+        self.grace = grace;
         self
     }
 
@@ -199,7 +233,8 @@ impl Launch {
         for rank in 0..hostfile.size() {
             let host = &self.hosts[rank / self.per_host];
             let command = self.command(host, rank, &path, &hostfile);
-            if let Err(e) = job.spawn(rank, command, self.echo) {
+            let remote = !Launch::is_local(host);
+            if let Err(e) = job.spawn(rank, command, remote, self.echo) {
                 let _ = job.end_all();
                 return Err(LaunchError::Spawn {
                     rank,
@@ -208,7 +243,7 @@ impl Launch {
                 });
             }
         }
-        job.wait(self.timeout)
+        job.wait(self.timeout, self.stop.as_deref(), self.grace)
     }
 
     fn command(&self, host: &str, rank: usize, hostfile: &Path, h: &Hostfile) -> Command {
@@ -239,27 +274,69 @@ impl Launch {
         }
         // The remote side gets the hostfile's text and writes its own copy:
         // the local file is not there.
-        let quote =
-            |s: &std::ffi::OsStr| format!("'{}'", s.to_string_lossy().replace('\'', r"'\''"));
         let remote_file = format!("/tmp/mlx-lowmem-hostfile-{}.json", std::process::id());
         let cwd = std::env::current_dir().unwrap_or_default();
-        let mut script = format!(
-            "printf '%s' {} > {remote_file} && cd {} && MLX_RANK={rank} MLX_HOSTFILE={remote_file}",
+        let mut envs = vec![
+            (OsString::from("MLX_RANK"), OsString::from(rank.to_string())),
+            (OsString::from("MLX_HOSTFILE"), OsString::from(&remote_file)),
+        ];
+        envs.extend(self.envs.iter().cloned());
+        let setup = format!(
+            "printf '%s' {} > {remote_file} && cd {}",
             quote(h.to_json().as_ref()),
             quote(cwd.as_os_str()),
         );
-        for (k, v) in &self.envs {
-            script.push_str(&format!(" {}={}", k.to_string_lossy(), quote(v)));
-        }
-        script.push_str(&format!(" exec {}", quote(program)));
-        for a in args {
-            script.push(' ');
-            script.push_str(&quote(a));
-        }
+        let script = remote_script(&setup, &envs, program, args);
         let mut c = Command::new("ssh");
-        c.arg(host).arg(script);
+        // The login shell may be any; the wrapper is POSIX sh.
+        c.arg(host)
+            .arg(format!("exec sh -c {}", quote(script.as_ref())));
         c
     }
+}
+
+/// `s` quoted for a POSIX shell.
+fn quote(s: &std::ffi::OsStr) -> String {
+    format!("'{}'", s.to_string_lossy().replace('\'', r"'\''"))
+}
+
+/// The shell script a remote rank runs: `setup`, then `program args…` with
+/// `envs` in the background, while the script reads signal names (`TERM`,
+/// `INT`) from its standard input — the launcher's end of the ssh
+/// connection — and sends each to the program. When that input ends (the
+/// launcher closed it, or died, and ssh with it) the program is killed.
+/// The script exits with the program's status.
+fn remote_script(
+    setup: &str,
+    envs: &[(OsString, OsString)],
+    program: &OsString,
+    args: &[OsString],
+) -> String {
+    let mut command = String::new();
+    for (k, v) in envs {
+        command.push_str(&format!("{}={} ", k.to_string_lossy(), quote(v)));
+    }
+    command.push_str(&quote(program));
+    for a in args {
+        command.push(' ');
+        command.push_str(&quote(a));
+    }
+    // An asynchronous command's standard input is /dev/null in a
+    // non-interactive shell: the watcher reads the connection from fd 3.
+    format!(
+        "{setup} || exit 1\n\
+         exec 3<&0\n\
+         {command} </dev/null 3<&- &\n\
+         pid=$!\n\
+         ( while read -r sig <&3; do kill -s \"$sig\" \"$pid\" 2>/dev/null; done; \
+         kill -s KILL \"$pid\" 2>/dev/null ) &\n\
+         watcher=$!\n\
+         exec 3<&-\n\
+         wait \"$pid\"\n\
+         status=$?\n\
+         kill \"$watcher\" 2>/dev/null\n\
+         exit \"$status\"\n"
+    )
 }
 
 /// A port the OS reports free on 127.0.0.1 now.
@@ -270,14 +347,27 @@ fn free_port() -> std::io::Result<u16> {
 #[derive(Default)]
 struct Job {
     children: Vec<(usize, Child)>,
+    /// A remote rank's connection: where its signals are written (see
+    /// [`remote_script`]); `None` for a local rank.
+    signal_lines: Vec<Option<ChildStdin>>,
     outputs: Vec<Arc<Mutex<Vec<String>>>>,
     readers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Job {
-    fn spawn(&mut self, rank: usize, mut command: Command, echo: bool) -> std::io::Result<()> {
+    fn spawn(
+        &mut self,
+        rank: usize,
+        mut command: Command,
+        remote: bool,
+        echo: bool,
+    ) -> std::io::Result<()> {
         let mut child = command
-            .stdin(Stdio::null())
+            .stdin(if remote {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()?;
@@ -310,6 +400,7 @@ impl Job {
                 }
             }));
         }
+        self.signal_lines.push(child.stdin.take());
         self.children.push((rank, child));
         self.outputs.push(lines);
         Ok(())
@@ -319,6 +410,10 @@ impl Job {
     /// exit status (a rank that had already exited keeps its own; one
     /// killed here reports the signal).
     fn end_all(&mut self) -> Vec<Option<ExitStatus>> {
+        // A remote rank's wrapper kills its rank when its input closes.
+        for line in &mut self.signal_lines {
+            line.take();
+        }
         self.children
             .iter_mut()
             .map(|(_, child)| {
@@ -328,10 +423,64 @@ impl Job {
             .collect()
     }
 
-    fn wait(mut self, timeout: Option<Duration>) -> Result<Vec<RankExit>, LaunchError> {
+    /// Sends `signal` to every rank still running: to a local rank's
+    /// process, as a line to a remote rank's wrapper.
+    fn signal_all(&mut self, signal: i32, statuses: &[Option<ExitStatus>]) {
+        for (i, (_, child)) in self.children.iter_mut().enumerate() {
+            if statuses[i].is_some() {
+                continue;
+            }
+            if let Some(line) = &mut self.signal_lines[i] {
+                use std::io::Write;
+                let _ = writeln!(line, "{}", signal_name(signal)).and_then(|()| line.flush());
+            } else {
+                send_signal(child, signal);
+            }
+        }
+    }
+
+    /// Stops the job: `signal` to every rank, then up to `grace` for them
+    /// to exit, then the rest killed. Every rank's status.
+    fn stop(
+        &mut self,
+        signal: i32,
+        grace: Duration,
+        mut statuses: Vec<Option<ExitStatus>>,
+    ) -> Vec<Option<ExitStatus>> {
+        self.signal_all(signal, &statuses);
+        let start = Instant::now();
+        while statuses.iter().any(Option::is_none) && start.elapsed() < grace {
+            for (i, (_, child)) in self.children.iter_mut().enumerate() {
+                if statuses[i].is_none() {
+                    if let Ok(Some(status)) = child.try_wait() {
+                        statuses[i] = Some(status);
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let ended = self.end_all();
+        merge(statuses, ended)
+    }
+
+    fn wait(
+        mut self,
+        timeout: Option<Duration>,
+        stop: Option<&AtomicUsize>,
+        grace: Duration,
+    ) -> Result<Vec<RankExit>, LaunchError> {
         let start = Instant::now();
         let mut statuses: Vec<Option<ExitStatus>> = vec![None; self.children.len()];
         let failed = loop {
+            let signal = stop.map_or(0, |s| s.load(Ordering::SeqCst));
+            if signal != 0 {
+                let signal = i32::try_from(signal).unwrap_or(i32::MAX);
+                let statuses = self.stop(signal, grace, statuses);
+                return Err(LaunchError::Stopped {
+                    signal,
+                    ranks: self.exits(statuses),
+                });
+            }
             let mut failed = None;
             for (i, (rank, child)) in self.children.iter_mut().enumerate() {
                 if statuses[i].is_none() {
@@ -387,6 +536,45 @@ impl Job {
     }
 }
 
+/// The name `kill -s` takes for `signal` (`TERM`, `INT`, …).
+fn signal_name(signal: i32) -> &'static str {
+    #[cfg(unix)]
+    {
+        match signal {
+            libc::SIGINT => "INT",
+            libc::SIGHUP => "HUP",
+            libc::SIGQUIT => "QUIT",
+            libc::SIGKILL => "KILL",
+            _ => "TERM",
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = signal;
+        "TERM"
+    }
+}
+
+/// Sends `signal` to a local rank (where there are no signals, ends it).
+fn send_signal(child: &mut Child, signal: i32) {
+    #[cfg(unix)]
+    {
+        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+            // SAFETY: kill(2) has no memory effects; the pid is our own
+            // child's, not yet reaped (its status was not read), so it
+            // cannot name another process.
+            unsafe {
+                libc::kill(pid, signal);
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = signal;
+        let _ = child.kill();
+    }
+}
+
 /// The statuses seen while waiting, completed by those read when the job
 /// was ended.
 fn merge(seen: Vec<Option<ExitStatus>>, ended: Vec<Option<ExitStatus>>) -> Vec<Option<ExitStatus>> {
@@ -397,5 +585,74 @@ impl Drop for Job {
     fn drop(&mut self) {
         // No rank outlives its launcher, whatever path left it.
         let _ = self.end_all();
+    }
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// The remote wrapper, run by a local `sh` as ssh would run it: a signal
+    /// name written to its input reaches the program; its input closing
+    /// kills the program; a program that ends by itself ends the script
+    /// with its status.
+    #[test]
+    fn the_remote_wrapper_passes_signals_on_and_kills_its_rank_when_the_connection_closes() {
+        let run = |program_script: &str| {
+            let script = remote_script(
+                "true",
+                &[(OsString::from("GREETING"), OsString::from("it's here"))],
+                &OsString::from("sh"),
+                &[OsString::from("-c"), OsString::from(program_script)],
+            );
+            let mut child = Command::new("sh")
+                .arg("-c")
+                .arg(script)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut out = BufReader::new(child.stdout.take().unwrap());
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            let pid: i32 = line.trim().parse().unwrap_or_else(|_| panic!("{line:?}"));
+            (child, pid, out)
+        };
+        let alive = |pid: i32| {
+            // SAFETY: signal 0 only checks that the process exists.
+            unsafe { libc::kill(pid, 0) == 0 }
+        };
+        let wait = |child: &mut Child| {
+            let start = Instant::now();
+            loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    return status;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(20),
+                    "the wrapper hangs"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        // A signal name on the connection.
+        let (mut child, pid, _) = run("echo $$; exec sleep 60");
+        writeln!(child.stdin.as_mut().unwrap(), "TERM").unwrap();
+        let status = wait(&mut child);
+        assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
+        assert!(!alive(pid));
+        // The connection closing, with a program that ignores TERM.
+        let (mut child, pid, _) = run("trap '' TERM; echo $$; exec sleep 60");
+        drop(child.stdin.take());
+        let status = wait(&mut child);
+        assert_eq!(status.code(), Some(128 + libc::SIGKILL), "{status}");
+        assert!(!alive(pid));
+        // A program that ends by itself, with the environment it was given.
+        let (mut child, _, mut out) = run("echo $$; echo \"$GREETING\"; exit 3");
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "it's here");
+        assert_eq!(wait(&mut child).code(), Some(3));
     }
 }
