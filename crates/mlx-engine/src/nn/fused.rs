@@ -72,8 +72,14 @@ fn factors(parts: &'static Kernel, args: &[Array]) -> Result<[Array; 2], Excepti
     Ok([e_r, bits.view::<f32>()?])
 }
 
-/// `silu(gate) · up`.
+/// `silu(gate) · up`: compiled for f32; for bfloat16 and float16 MLX's own
+/// operations, as mlx_lm's `swiglu` (`gate · sigmoid(gate) · up`, each step
+/// rounded to the inputs' dtype) — the compiled form's f32 constants would
+/// widen its result to f32.
 pub(crate) fn silu_mul(gate: &Array, up: &Array) -> Result<Array, Exception> {
+    if gate.dtype() != Dtype::Float32 || up.dtype() != Dtype::Float32 {
+        return gate.multiply(mlx_rs::ops::sigmoid(gate)?)?.multiply(up);
+    }
     let [e_r, two_n] = factors(&NEGATED_PARTS, std::slice::from_ref(gate))?;
     let [y] = call(&SILU_MUL, &[gate.clone(), up.clone(), e_r, two_n])?;
     Ok(y)

@@ -345,7 +345,13 @@ impl Linear {
             Layout::Packed(p) if p.dequantize_on_use => p.product_in_slices(x, &self.weight)?,
             Layout::Packed(p) => p.quantized_matmul(x, &self.weight)?,
             Layout::Panels => few_rows::product(x, &self.weight)?,
-            Layout::Transposed => x.matmul(&self.weight)?,
+            // MLX's `nn.Linear` adds its bias inside the product (`addmm`):
+            // one rounding, where a product then a sum rounds twice in
+            // bfloat16.
+            Layout::Transposed => match &self.bias {
+                Some(b) => return Ok(mlx_rs::ops::addmm(b, x, &self.weight, None, None)?),
+                None => x.matmul(&self.weight)?,
+            },
         };
         Ok(match &self.bias {
             Some(b) => y.add(b)?,

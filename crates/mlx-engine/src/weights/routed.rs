@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use mlx_rs::ops::{gather_mm, gather_qmm};
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
@@ -37,6 +37,12 @@ pub(crate) enum ExpertMatrices {
     /// Dense, each expert's transpose `(n, in, out)`, as `gather_mm` takes
     /// it (mlx_lm's `SwitchLinear` passes the same).
     Dense(Array),
+    /// Dense bfloat16 or float16 experts widened to f32 for MLX's CPU
+    /// `gather_mm`, which multiplies f32 alone: `(n, in, out)` f32, and
+    /// the stored dtype the products are rounded back to where the rows
+    /// have it too (as a half-precision `gather_mm` on the GPU sums in f32
+    /// and rounds its outputs).
+    Widened { weight: Array, stored: Dtype },
     /// Packed as stored, `(n, out, in · bits / 32)`, multiplied packed by
     /// `gather_qmm` (mlx_lm's `QuantizedSwitchLinear`).
     Packed {
@@ -61,6 +67,15 @@ impl ExpertMatrices {
     pub(crate) fn product(&self, x: &Array, experts: &Array, sorted: bool) -> Result<Array> {
         Ok(match self {
             ExpertMatrices::Dense(w) => gather_mm(x, w, None, Some(experts), Some(sorted))?,
+            ExpertMatrices::Widened { weight, stored } => {
+                let wide = x.as_dtype(Dtype::Float32)?;
+                let y = gather_mm(&wide, weight, None, Some(experts), Some(sorted))?;
+                if x.dtype() == *stored {
+                    y.as_dtype(*stored)?
+                } else {
+                    y
+                }
+            }
             ExpertMatrices::Packed {
                 weight,
                 scales,
@@ -144,6 +159,9 @@ pub(crate) struct ChosenSource {
     /// With `unpack`: multiply them packed by the project's kernel where
     /// it takes the product, unpacking only where it does not.
     on_host: bool,
+    /// Dense half-precision experts widened to f32 as they are taken
+    /// (MLX's CPU `gather_mm` multiplies f32 alone).
+    widen: bool,
 }
 
 /// One array of a stack, experts on axis 0.
@@ -182,6 +200,7 @@ impl ExpertStack {
             packing: packing.map(|(s, b, q)| (StackPart::Memory(s), StackPart::Memory(b), q)),
             unpack,
             on_host,
+            widen: false,
         })
     }
 }
@@ -191,6 +210,12 @@ impl ChosenSource {
     pub(crate) fn take(&self, experts: &[usize]) -> Result<ExpertMatrices> {
         let weight = self.weight.take(experts)?;
         let Some((scales, biases, q)) = &self.packing else {
+            if self.widen && weight.dtype() != Dtype::Float32 {
+                return Ok(ExpertMatrices::Widened {
+                    stored: weight.dtype(),
+                    weight: weight.as_dtype(Dtype::Float32)?.swap_axes(-1, -2)?,
+                });
+            }
             return Ok(ExpertMatrices::Dense(weight.swap_axes(-1, -2)?));
         };
         let (scales, biases) = (scales.take(experts)?, biases.take(experts)?);
@@ -288,14 +313,27 @@ impl Weights<'_> {
             }
             _ => out * inputs * 4,
         };
+        // Dense half-precision experts on the CPU: MLX's `gather_mm` there
+        // takes f32 alone, and an f32 copy of every expert would double
+        // (bfloat16: 2 → 4 bytes) what the model holds; the routed ones
+        // are widened as a forward takes them.
+        let widen = packing.is_none()
+            && mlx_support::current_device() == mlx_support::ComputeDevice::Cpu
+            && self
+                .set
+                .tensor(&module.join("weight").to_string())
+                .is_some_and(|t| t.dtype != st_mmap::Dtype::F32);
         let source = ChosenSource {
             taken_bytes,
             weight,
             packing,
             unpack,
             on_host,
+            widen,
         };
-        if in_files || (source.packing.is_some() && self.mode == QuantizedWeights::DequantizeOnUse)
+        if in_files
+            || widen
+            || (source.packing.is_some() && self.mode == QuantizedWeights::DequantizeOnUse)
         {
             return Ok(ExpertStack::Chosen(source));
         }
@@ -305,7 +343,9 @@ impl Weights<'_> {
         // arrays from other threads and cannot compute one.
         match &whole {
             ExpertMatrices::Dense(w) => evaluate(Why::Load, [w])?,
-            ExpertMatrices::Packed { .. } | ExpertMatrices::PackedOnHost { .. } => {}
+            ExpertMatrices::Widened { .. }
+            | ExpertMatrices::Packed { .. }
+            | ExpertMatrices::PackedOnHost { .. } => {}
         }
         Ok(ExpertStack::Whole(whole))
     }

@@ -5,7 +5,7 @@ Usage: mlx_lm_gemma.py MODEL_DIR REQUEST_JSON
 REQUEST_JSON: {"prefix": [ids], "suffixes": [[ids], ...], "max_tokens": N,
 "eos": [ids]}, optionally "allowed": [ids] (a logits processor that leaves
 only those tokens, as cc-sentiment's does), "batch_only": true (skip the
-rows alone) and "spawnllm_prefix": true (the prefix's cache made as
+rows alone), "widen_experts": true (see widened_experts.py) and "spawnllm_prefix": true (the prefix's cache made as
 spawnllm makes it: `batch_generate([prefix], max_tokens=1,
 return_prompt_caches=True)`, which also holds the token generated after
 the prefix, under the processor). For every row (prefix + suffix), with mlx_lm's own caches
@@ -43,6 +43,7 @@ import mlx_lm  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import load_model  # noqa: E402
+from widened_experts import widen_if_asked  # noqa: E402
 
 
 class Ids:
@@ -58,6 +59,7 @@ class Ids:
 def main():
     model, _ = load_model(Path(sys.argv[1]))
     request = json.loads(Path(sys.argv[2]).read_text())
+    widen_if_asked(request)
     prefix, suffixes = request["prefix"], request["suffixes"]
     max_tokens, eos = request["max_tokens"], request["eos"]
 

@@ -4,7 +4,7 @@ tests in the checkpoint's own dtype.
 Usage: mlx_lm_positions.py MODEL_DIR REQUEST_JSON
 
 REQUEST_JSON: {"prefix": [ids], "suffixes": [[ids], ...]}, optionally
-"whole": false. With mlx_lm's own caches (rotating ones on sliding layers):
+"whole": false and "widen_experts": true (see widened_experts.py). With mlx_lm's own caches (rotating ones on sliding layers):
 
 - "prefix": the logits of every position of the prefix, one forward;
 - "whole" (unless false): for every row, the logits of every position of
@@ -35,11 +35,13 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import load_model  # noqa: E402
+from widened_experts import widen_if_asked  # noqa: E402
 
 
 def main():
     model, _ = load_model(Path(sys.argv[1]))
     request = json.loads(Path(sys.argv[2]).read_text())
+    widen_if_asked(request)
     prefix, suffixes = request["prefix"], request["suffixes"]
 
     prefix_cache = make_prompt_cache(model)
