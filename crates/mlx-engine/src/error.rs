@@ -47,7 +47,9 @@ pub enum Error {
     #[error("{dir}: streaming a layer: {source}")]
     Stream {
         dir: PathBuf,
-        source: block_stream::Error,
+        // Boxed: its LoRA errors name file, key, block and parameter, and
+        // would make every `Result` of the engine that much larger.
+        source: Box<block_stream::Error>,
     },
     /// A tensor could not become an MLX array.
     #[error(transparent)]
@@ -87,6 +89,20 @@ pub enum Error {
     /// sockets: MLX reports "connection to a peer was lost").
     #[error("rank {rank}: {message}")]
     Distributed { rank: usize, message: String },
+    /// The ranks of a group loaded another model than rank 0: `file` of
+    /// rank `other`'s model folder (a weights file, `config.json`, the
+    /// tokenizer, its config, the chat template or the generation config)
+    /// is not rank 0's. Every rank gets this error at load.
+    #[error(
+        "rank {rank}: rank {other} loaded another model than rank 0: its {file} {how} \
+         (start every rank on the same model folder)"
+    )]
+    DifferentModel {
+        rank: usize,
+        other: usize,
+        file: String,
+        how: String,
+    },
     /// A pipeline stage was asked for a part of the model another rank
     /// holds (a bug in the caller of the model).
     #[error("{what} is held by another pipeline stage")]

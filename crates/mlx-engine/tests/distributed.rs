@@ -81,10 +81,15 @@ fn result_of(rank: &RankExit) -> Value {
 /// runs OpenBLAS on one thread: a product split over another number of
 /// threads may sum in another order (a long prompt's logits differed in
 /// their last bits between two threads and one).
+///
+/// The ranks keep the digests of the model's files (which they compare at
+/// load) in a folder of the job's, not the user's cache.
 fn job(n: usize, args: &[String]) -> Result<Vec<RankExit>, LaunchError> {
+    let digests = tempfile::tempdir().unwrap();
     Launch::new(&["127.0.0.1"], n, generate_bin())
         .args(args)
         .env("OPENBLAS_NUM_THREADS", "1")
+        .env("MLX_LOWMEM_CACHE", digests.path().to_str().unwrap())
         .timeout(Duration::from_secs(240))
         .echo(false)
         .run()
@@ -284,12 +289,7 @@ fn a_gemma4_pipeline_answers_as_one_process_bit_for_bit() {
         conversations as gemma_conversations, system, write_gemma4_in, Layout,
     };
     let dir = tempfile::tempdir().unwrap();
-    let list: Vec<Value> = gemma_conversations()
-        .iter()
-        .map(|c| serde_json::json!([{"role": "user", "content": c[1].content}]))
-        .collect();
-    let conversations = dir.path().join("conversations.json");
-    std::fs::write(&conversations, serde_json::to_string(&list).unwrap()).unwrap();
+    let conversations = conversation_file(dir.path(), &gemma_conversations());
     for (name, quantized, dtype) in [
         ("f32", false, mlx_rs::Dtype::Float32),
         ("bf16-q", true, mlx_rs::Dtype::Bfloat16),
@@ -424,4 +424,190 @@ fn our_pipeline_answers_as_mlx_lms_sharded_pipeline_on_qwen2() {
     };
     assert_eq!(texts(&ours["texts"]), texts(&theirs["texts"]));
     assert!(texts(&ours["texts"]).iter().any(|t| !t.is_empty()));
+}
+
+/// The user messages of `conversations` (each a system message, then a
+/// user's) as mlx-generate reads them; the system message goes in
+/// `--system`.
+fn conversation_file(dir: &Path, conversations: &[Vec<mlx_engine::Message>]) -> PathBuf {
+    let list: Vec<Value> = conversations
+        .iter()
+        .map(|c| serde_json::json!([{"role": "user", "content": c[1].content}]))
+        .collect();
+    let path = dir.join("conversations.json");
+    std::fs::write(&path, serde_json::to_string(&list).unwrap()).unwrap();
+    path
+}
+
+/// `model` as a pipeline of 2 and of 3 ranks, under `Keep` and under the
+/// CPU default: every rank's texts and last-position logits are the one
+/// process's, bit for bit.
+fn pipelines_answer_as_one_process(what: &str, model: &Path, conversations: &Path, system: &str) {
+    for arithmetic in [&["--quantized", "keep"][..], &[]] {
+        let base = |extra: &[&str]| {
+            [
+                "--model",
+                model.to_str().unwrap(),
+                "--conversations",
+                conversations.to_str().unwrap(),
+                "--system",
+                system,
+                "--max-tokens",
+                "6",
+                "--batch-size",
+                "3",
+                "--logits",
+            ]
+            .iter()
+            .chain(arithmetic)
+            .chain(extra)
+            .map(|s| (*s).to_owned())
+            .collect::<Vec<String>>()
+        };
+        let one = result_of(&job(1, &base(&[])).unwrap()[0]);
+        for n in [2, 3] {
+            let ranks = job(n, &base(&["--placement", "pipeline", "--all-ranks"]))
+                .unwrap_or_else(|e| panic!("{what} {arithmetic:?}, {n} ranks: {e}"));
+            for rank in &ranks {
+                let r = result_of(rank);
+                let what = format!("{what} {arithmetic:?}, {n} ranks, rank {}", rank.rank);
+                assert_eq!(r["texts"], one["texts"], "{what}");
+                assert_eq!(r["logits_sha256"], one["logits_sha256"], "{what}");
+            }
+        }
+    }
+}
+
+/// Every family in the half-precision dtypes its published MLX checkpoints
+/// have — bfloat16 or float16, dense or quantized with scales in that
+/// dtype, as mlx_lm's `convert` writes them — pipelines on 2 and 3 ranks
+/// as one process computes, under `Keep` and the CPU default: a stage
+/// boundary carries the dtype the stage computed, whatever the embedding's.
+/// Gemma 4 (the real application's family, 4-bit with bfloat16 scales) is
+/// written here and needs no Python.
+#[test]
+fn half_precision_pipelines_of_every_family_answer_as_one_process_bit_for_bit() {
+    use common::tiny_gemma::{self, write_gemma4_in, Layout};
+    let test = "half_precision_pipelines_of_every_family_answer_as_one_process_bit_for_bit";
+    let dir = tempfile::tempdir().unwrap();
+    let gemma_conversations = conversation_file(dir.path(), &tiny_gemma::conversations());
+    let gemma_system = tiny_gemma::system().content;
+    let gemma4 = dir.path().join("gemma4");
+    write_gemma4_in(&gemma4, Layout::Text, true, mlx_rs::Dtype::Bfloat16);
+    pipelines_answer_as_one_process(
+        "gemma4 4-bit, bfloat16 scales",
+        &gemma4,
+        &gemma_conversations,
+        &gemma_system,
+    );
+    let Some(python) = test_support::python::mlx_lm_python(test) else {
+        return;
+    };
+    let words = dir.path().join("words");
+    std::fs::create_dir_all(&words).unwrap();
+    let word_conversations = conversation_file(&words, &common::conversations());
+    let word_system = common::system().content;
+    for (family, dtype, quantize) in [
+        ("llama", "bfloat16", Some((4, 32))),
+        ("llama", "float16", None),
+        ("qwen2", "bfloat16", Some((8, 64))),
+        ("qwen3", "float16", Some((4, 32))),
+        ("qwen3_moe", "bfloat16", Some((4, 32))),
+        ("mixtral", "float16", None),
+        ("gemma3", "bfloat16", Some((4, 32))),
+    ] {
+        let what = format!("{family} {dtype} {quantize:?}");
+        let model = dir.path().join(what.replace(' ', "-"));
+        common::converted::write_converted(&python, family, &model, dtype, quantize);
+        let (conversations, system) = match family {
+            "gemma3" => (&gemma_conversations, &gemma_system),
+            _ => (&word_conversations, &word_system),
+        };
+        pipelines_answer_as_one_process(&what, &model, conversations, system);
+    }
+}
+
+/// A copy of the model folder `from` in `to`.
+fn copy_folder(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+/// One bit flipped in the middle of `key`'s bytes in `dir`'s weights: far
+/// from the first and last bytes of any tensor.
+fn flip_a_bit_inside(dir: &Path, key: &str) {
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let offsets = &header[key]["data_offsets"];
+    let (start, end) = (offsets[0].as_u64().unwrap(), offsets[1].as_u64().unwrap());
+    let middle = 8 + header_len + ((start + end) / 2) as usize;
+    bytes[middle] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+}
+
+/// Rank 1's folder differs from rank 0's in one file that changes an
+/// answer — the chat template, the tokenizer, one bit inside a tensor —
+/// and every rank fails at load with the typed error naming that file, as
+/// a pipeline and as data parallel, instead of stalling or answering
+/// differently.
+#[test]
+fn ranks_whose_template_tokenizer_or_tensor_bytes_differ_fail_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    common::write_model(&base);
+    let conversations = conversation_file(dir.path(), &common::conversations());
+    type Change = (&'static str, fn(&Path));
+    let changes: [Change; 3] = [
+        ("tokenizer_config.json", |d| {
+            let path = d.join("tokenizer_config.json");
+            let text = std::fs::read_to_string(&path).unwrap();
+            std::fs::write(&path, text.replace("<u> ", "<u> <u> ")).unwrap();
+        }),
+        ("tokenizer.json", |d| {
+            let path = d.join("tokenizer.json");
+            let text = std::fs::read_to_string(&path).unwrap();
+            let swapped = text
+                .replace("\"w38\"", "\"tmp\"")
+                .replace("\"w39\"", "\"w38\"")
+                .replace("\"tmp\"", "\"w39\"");
+            std::fs::write(&path, swapped).unwrap();
+        }),
+        ("model.safetensors", |d| {
+            flip_a_bit_inside(d, "model.layers.0.mlp.up_proj.weight")
+        }),
+    ];
+    for (file, change) in changes {
+        let other = dir.path().join(file);
+        copy_folder(&base, &other);
+        change(&other);
+        for placement in ["pipeline", "data"] {
+            let base_args = |model: &Path| args(model, &conversations, &["--placement", placement]);
+            let start = Instant::now();
+            let err = Launch::new(&["127.0.0.1"], 2, generate_bin())
+                .args(base_args(&base))
+                .rank_command(1, generate_bin(), base_args(&other))
+                .timeout(Duration::from_secs(120))
+                .echo(false)
+                .run()
+                .unwrap_err();
+            let ranks = failed_ranks(err);
+            let text = said(&ranks);
+            for rank in &ranks {
+                assert!(
+                    rank.output.iter().any(|l| l.starts_with("ERROR")
+                        && l.contains("loaded another model")
+                        && l.contains(&format!("its {file} differs"))),
+                    "{file}, {placement}, rank {}: {text}",
+                    rank.rank
+                );
+            }
+            assert_eq!(ranks.len(), 2, "{text}");
+            assert!(start.elapsed() < Duration::from_secs(100), "{text}");
+        }
+    }
 }

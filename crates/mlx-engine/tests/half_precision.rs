@@ -16,70 +16,16 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
+use common::converted::{convert, write_f32};
 use common::logits::{
     assert_every_position, largest_difference, newer_mlx, positions, run_parity_script,
     run_parity_script_newer_mlx, write_request,
 };
-use common::tiny_moe::{write_mixtral, write_qwen3_moe};
-use common::VOCAB;
 use mlx_engine::{KvCache, MemoryMode, Model, QuantizedWeights};
 use mlx_rs::Array;
 use serde_json::{json, Value};
 use test_support::python::mlx_lm_python;
-use test_support::tiny_llama::TinyLlama;
-
-/// The tiny f32 model of `family`, with a tokenizer transformers can load
-/// (mlx_lm's `convert` loads and saves it).
-fn write_f32(family: &str, dir: &Path) {
-    std::fs::create_dir_all(dir).unwrap();
-    match family {
-        "qwen3_moe" => write_qwen3_moe(dir),
-        "mixtral" => write_mixtral(dir),
-        "gemma3" => common::tiny_gemma::write_gemma3(dir, common::tiny_gemma::Layout::Text),
-        _ => {
-            let model_type = match family {
-                "llama" => "llama",
-                "qwen2" => "qwen2",
-                _ => "qwen3",
-            };
-            TinyLlama {
-                layers: 3,
-                vocab: VOCAB,
-                // mlx_lm's qwen3 requires both (the others ignore them).
-                config: json!({"eos_token_id": 44, "max_position_embeddings": 256, "head_dim": 16}),
-                ..TinyLlama::new(model_type)
-            }
-            .write(dir);
-            common::write_tokenizer(dir, false);
-        }
-    }
-    let path = dir.join("tokenizer_config.json");
-    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["tokenizer_class"] = "PreTrainedTokenizerFast".into();
-    std::fs::write(&path, config.to_string()).unwrap();
-}
-
-/// `src` converted by mlx_lm into `dst`: cast to `dtype`, 4-bit in groups
-/// of 32 with `quantized`.
-fn convert(python: &str, src: &Path, dst: &Path, dtype: &str, quantized: bool) {
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/parity/mlx_lm_convert.py"
-    );
-    let mut command = Command::new(python);
-    command.arg(script).arg(src).arg(dst).arg(dtype);
-    if quantized {
-        command.args(["4", "32"]);
-    }
-    let out = command.output().unwrap();
-    assert!(
-        out.status.success(),
-        "mlx_lm convert: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// Our logits' dtype as mlx prints a dtype.
 fn dtype_name(a: &Array) -> String {
@@ -124,7 +70,7 @@ fn family_matches_mlx_lm(test: &str, family: &str, quantized_moe: Option<f32>) {
                 if quantized { "4-bit" } else { "dense" }
             );
             let dir = work.path().join(what.replace(", ", "-"));
-            convert(&python, &src, &dir, dtype, quantized);
+            convert(&python, &src, &dir, dtype, quantized.then_some((4, 32)));
             let request = write_request(&dir, &json!({"prefix": prefix, "suffixes": suffixes}));
             let (expected, tolerance) = match quantized_moe.filter(|_| quantized) {
                 Some(tolerance) => (
@@ -266,7 +212,7 @@ fn dense_moe_answers_as_mlx_lm(test: &str, family: &str) {
     };
     for dtype in ["bfloat16", "float16"] {
         let half = work.path().join(dtype);
-        convert(&python, &src, &half, dtype, false);
+        convert(&python, &src, &half, dtype, None);
         let widened = request(&half, true);
         let expected = run_parity_script(&python, "mlx_lm_positions.py", &half, &widened);
         let theirs = greedy_of(&run_parity_script(
@@ -277,7 +223,7 @@ fn dense_moe_answers_as_mlx_lm(test: &str, family: &str) {
         ));
         // The same (rounded) weights, cast back to f32 by mlx_lm.
         let wide = work.path().join(format!("{dtype}-as-f32"));
-        convert(&python, &half, &wide, "float32", false);
+        convert(&python, &half, &wide, "float32", None);
         let in_f32 = request(&wide, false);
         let f32_logits = run_parity_script(&python, "mlx_lm_positions.py", &wide, &in_f32);
         let f32_greedy = greedy_of(&run_parity_script(

@@ -37,11 +37,7 @@ pub(crate) fn same_request(
             }
         }
     }
-    let digest: [u8; 32] = h.finalize().into();
-    let words: Vec<i32> = digest
-        .chunks(4)
-        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
+    let words = super::words(&h.finalize().into());
     let all = group
         .all_gather(&Array::from_slice(&words, &[1, 8]))
         .map_err(|e| distributed(group, "comparing requests", e))?;

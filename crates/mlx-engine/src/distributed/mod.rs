@@ -9,15 +9,15 @@
 //! request, so a rank that was not is an error on all of them.
 
 pub(crate) mod data;
+pub(crate) mod identity;
 pub(crate) mod split;
 pub(crate) mod stage;
 
 use std::ops::Range;
 use std::path::Path;
 
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Array;
 use mlx_support::distributed::Group;
-use sha2::{Digest, Sha256};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
@@ -59,76 +59,54 @@ impl Placement {
     }
 }
 
-/// A digest of what a rank loads: `config.json`, and every tensor's name,
-/// dtype, shape and first and last bytes. Ranks started on different model
-/// folders (another checkpoint, another fine-tune of the same shapes) get
-/// different digests, without reading whole weights.
-pub(crate) fn model_digest(dir: &Path, set: &SafetensorsSet) -> Result<[u8; 32]> {
-    let path = dir.join("config.json");
-    let config = std::fs::read(&path).map_err(|source| Error::Io { path, source })?;
-    let mut h = Sha256::new();
-    h.update(&config);
-    let mut keys: Vec<&str> = set.keys().collect();
-    keys.sort_unstable();
-    for key in keys {
-        if let Some(view) = set.tensor(key) {
-            h.update(key.as_bytes());
-            h.update(format!("{:?}{:?}", view.dtype, view.shape).as_bytes());
-            let d = view.data;
-            h.update(&d[..d.len().min(64)]);
-            h.update(&d[d.len().saturating_sub(64)..]);
-        }
-    }
-    Ok(h.finalize().into())
-}
-
-const DTYPES: [Dtype; 3] = [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16];
-
-/// What the ranks agree on when the model is loaded.
-pub(crate) struct Agreement {
-    /// The hidden states' dtype, as rank 0 (the first stage) has it.
-    pub hidden_dtype: Dtype,
-}
-
-/// Checks, on every rank at once, that all ranks loaded the same model and
-/// (for a pipeline: `layers` is `Some`) that their layer ranges follow on
-/// from each other; learns rank 0's hidden dtype. Every rank gets the same
-/// error.
-pub(crate) fn agree(
-    group: &Group,
-    digest: &[u8; 32],
-    layers: Option<Range<usize>>,
-    hidden_dtype: Option<Dtype>,
-) -> Result<Agreement> {
-    let pipeline = layers.is_some();
-    let layers = layers.unwrap_or(0..0);
-    let code = hidden_dtype
-        .and_then(|d| DTYPES.iter().position(|&x| x == d))
-        .map_or(-1, |i| i as i32);
-    let mut row: Vec<i32> = digest
+/// A digest as MLX integers, for a collective.
+pub(crate) fn words(digest: &[u8; 32]) -> Vec<i32> {
+    digest
         .chunks(4)
         .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    row.extend([code, layers.start as i32, layers.end as i32]);
-    let width = row.len();
-    let mine = Array::from_slice(&row, &[1, width as i32]);
+        .collect()
+}
+
+fn gathered(group: &Group, row: &[i32], rows: i32) -> Result<Vec<i32>> {
     let distributed = |e: &dyn std::fmt::Display| Error::Distributed {
         rank: group.rank(),
         message: format!("the start-up handshake: {e}"),
     };
+    let width = row.len() as i32 / rows.max(1);
+    let mine = Array::from_slice(row, &[rows, width]);
     let all = group.all_gather(&mine).map_err(|e| distributed(&e))?;
     evaluate(Why::Collective, [&all]).map_err(|e| distributed(&e))?;
-    let rows: Vec<&[i32]> = all.as_slice::<i32>().chunks(width).collect();
+    Ok(all.as_slice::<i32>().to_vec())
+}
+
+/// The bytes of a file's name in a table row of the handshake (longer
+/// names are cut: they only name the file in an error).
+const NAME_WORDS: usize = 32;
+
+/// Checks, on every rank at once, that all ranks loaded the same model —
+/// every file of [`identity::model_files`], compared whole — and (for a
+/// pipeline: `layers` is `Some`) that their layer ranges follow on from
+/// each other. Every rank gets the same error, naming the first file that
+/// differs.
+pub(crate) fn agree(
+    group: &Group,
+    dir: &Path,
+    set: &SafetensorsSet,
+    layers: Option<Range<usize>>,
+) -> Result<()> {
+    let files = identity::model_files(dir, set)?;
+    let pipeline = layers.is_some();
+    let layers = layers.unwrap_or(0..0);
+    let mut row = words(&identity::combined(&files));
+    row.extend([files.len() as i32, layers.start as i32, layers.end as i32]);
+    let width = row.len();
+    let all = gathered(group, &row, 1)?;
+    let rows: Vec<&[i32]> = all.chunks(width).collect();
+    if let Some(other) = rows.iter().position(|r| r[..8] != rows[0][..8]) {
+        let most = rows.iter().map(|r| r[8]).max().unwrap_or(0).max(0) as usize;
+        return Err(different_file(group, &files, most, other)?);
+    }
     for (rank, other) in rows.iter().enumerate() {
-        if other[..8] != rows[0][..8] {
-            return Err(Error::Distributed {
-                rank: group.rank(),
-                message: format!(
-                    "rank {rank} loaded another model than rank 0 (config.json or weights differ): \
-                     start every rank on the same model folder"
-                ),
-            });
-        }
         let start = other[width - 2];
         let expected = if rank == 0 {
             0
@@ -146,9 +124,75 @@ pub(crate) fn agree(
             });
         }
     }
-    let hidden_dtype = usize::try_from(rows[0][width - 3])
-        .ok()
-        .and_then(|i| DTYPES.get(i).copied())
-        .unwrap_or(Dtype::Float32);
-    Ok(Agreement { hidden_dtype })
+    Ok(())
+}
+
+/// The error for rank `other`, whose files differ from rank 0's: the ranks
+/// exchange their tables of files (`most` rows each) and every rank names
+/// the same first file that differs.
+fn different_file(
+    group: &Group,
+    files: &[identity::FileDigest],
+    most: usize,
+    other: usize,
+) -> Result<Error> {
+    let width = NAME_WORDS + 9;
+    let mut table = vec![0i32; most.max(1) * width];
+    for (f, row) in files.iter().zip(table.chunks_mut(width)) {
+        let mut name = f.name.as_bytes().to_vec();
+        name.truncate(NAME_WORDS * 4);
+        name.resize(NAME_WORDS * 4, 0);
+        for (w, c) in row.iter_mut().zip(name.chunks(4)) {
+            *w = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        row[NAME_WORDS] = 1;
+        if let Some(d) = &f.digest {
+            row[NAME_WORDS] = 2;
+            row[NAME_WORDS + 1..].copy_from_slice(&words(d));
+        }
+    }
+    let all = gathered(group, &table, most.max(1) as i32)?;
+    let rank_files = |rank: usize| -> std::collections::BTreeMap<String, &[i32]> {
+        let per_rank = most.max(1) * width;
+        all[rank * per_rank..(rank + 1) * per_rank]
+            .chunks(width)
+            .filter(|row| row[NAME_WORDS] != 0)
+            .map(|row| {
+                let bytes: Vec<u8> = row[..NAME_WORDS]
+                    .iter()
+                    .flat_map(|w| w.to_le_bytes())
+                    .take_while(|&b| b != 0)
+                    .collect();
+                (
+                    String::from_utf8_lossy(&bytes).into_owned(),
+                    &row[NAME_WORDS..],
+                )
+            })
+            .collect()
+    };
+    let (first, theirs) = (rank_files(0), rank_files(other));
+    let mut names: Vec<&String> = first.keys().chain(theirs.keys()).collect();
+    names.sort();
+    names.dedup();
+    let (file, how) = names
+        .into_iter()
+        .find_map(|name| {
+            let present = |m: &std::collections::BTreeMap<String, &[i32]>| {
+                m.get(name).is_some_and(|r| r[0] == 2)
+            };
+            let how = match (present(&first), present(&theirs)) {
+                (true, false) => "is missing on it but present on rank 0",
+                (false, true) => "is present on it but missing on rank 0",
+                _ if first.get(name) != theirs.get(name) => "differs from rank 0's",
+                _ => return None,
+            };
+            Some((name.clone(), how))
+        })
+        .unwrap_or_else(|| ("(a file)".to_owned(), "differs from rank 0's"));
+    Ok(Error::DifferentModel {
+        rank: group.rank(),
+        other,
+        file,
+        how: how.to_owned(),
+    })
 }

@@ -12,6 +12,13 @@
 //! forwards: MLX pairs a receive with the peer's send by their order on the
 //! socket, and a lazy graph holding several would evaluate them in an
 //! order of its own.
+//!
+//! A receive must name its dtype, and what a stage's layers give depends on
+//! the checkpoint and the arithmetic (a 4-bit table with bfloat16 scales
+//! embeds in bfloat16; the CPU default's products then make float32). So
+//! every array crosses a stage boundary after a one-number header with its
+//! dtype, and the receiver takes exactly what the sender computed: the
+//! next stage computes in the dtype the one-process model has there.
 
 use std::ops::Range;
 
@@ -23,14 +30,18 @@ use mlx_support::distributed::Group;
 use crate::error::{Error, Result};
 use crate::evaluation::{evaluate, Why};
 
+/// The dtypes that cross a stage boundary, by the code their header holds.
+const DTYPES: [Dtype; 3] = [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16];
+
+fn dtype_code(dtype: Dtype) -> Option<i32> {
+    DTYPES.iter().position(|&d| d == dtype).map(|i| i as i32)
+}
+
 /// A rank's layers and its neighbours.
 pub(crate) struct Stage {
     group: Group,
     layers: Range<usize>,
     total: usize,
-    /// The hidden states' dtype (what the first stage's embedding gives),
-    /// known to every stage after the load's handshake.
-    hidden_dtype: Dtype,
 }
 
 impl Stage {
@@ -40,7 +51,6 @@ impl Stage {
             group: Group::single(),
             layers: 0..total,
             total,
-            hidden_dtype: Dtype::Float32,
         }
     }
 
@@ -50,12 +60,7 @@ impl Stage {
             group,
             layers,
             total,
-            hidden_dtype: Dtype::Float32,
         }
-    }
-
-    pub(crate) fn set_hidden_dtype(&mut self, dtype: Dtype) {
-        self.hidden_dtype = dtype;
     }
 
     /// The decoder layers this rank holds (indices in the model).
@@ -111,14 +116,25 @@ impl Stage {
             return embed();
         }
         let shape = [tokens.dim(0), tokens.dim(1), hidden as i32];
+        let from = self.group.rank() - 1;
+        let what = "receiving hidden states";
         (0..count)
             .map(|_| {
+                let header = self
+                    .group
+                    .recv(&[1], Dtype::Int32, from)
+                    .map_err(|e| self.err(what, e))?;
+                evaluate(Why::Collective, [&header]).map_err(|e| self.err(what, e))?;
+                let code = header.as_slice::<i32>()[0];
+                let dtype = usize::try_from(code)
+                    .ok()
+                    .and_then(|i| DTYPES.get(i).copied())
+                    .ok_or_else(|| self.err(what, format!("rank {from} sent dtype code {code}")))?;
                 let x = self
                     .group
-                    .recv(&shape, self.hidden_dtype, self.group.rank() - 1)
-                    .map_err(|e| self.err("receiving hidden states", e))?;
-                evaluate(Why::Collective, [&x])
-                    .map_err(|e| self.err("receiving hidden states", e))?;
+                    .recv(&shape, dtype, from)
+                    .map_err(|e| self.err(what, e))?;
+                evaluate(Why::Collective, [&x]).map_err(|e| self.err(what, e))?;
                 Ok(x)
             })
             .collect()
@@ -135,12 +151,17 @@ impl Stage {
         if self.is_last() {
             return Ok(());
         }
+        let what = "sending hidden states";
+        let to = self.group.rank() + 1;
         for x in xs {
-            let sent = self
-                .group
-                .send(x, self.group.rank() + 1)
-                .map_err(|e| self.err("sending hidden states", e))?;
-            evaluate(Why::Collective, [&sent]).map_err(|e| self.err("sending hidden states", e))?;
+            let code = dtype_code(x.dtype())
+                .ok_or_else(|| self.err(what, format!("cannot send {:?}", x.dtype())))?;
+            // The header first, on its own: the receiver reads it before
+            // it can name the hidden states' dtype.
+            for array in [&Array::from_slice(&[code], &[1]), x] {
+                let sent = self.group.send(array, to).map_err(|e| self.err(what, e))?;
+                evaluate(Why::Collective, [&sent]).map_err(|e| self.err(what, e))?;
+            }
         }
         Ok(())
     }
@@ -157,27 +178,45 @@ impl Stage {
         if !self.is_split() {
             return head();
         }
-        let local = if self.is_last() {
-            head()?
-        } else {
-            let mut shape = x.shape().to_vec();
-            if let Some(last) = shape.last_mut() {
-                *last = vocab as i32;
-            }
-            zeros_dtype(&shape, x.dtype())?
+        let what = "sharing the logits";
+        let local = if self.is_last() { Some(head()?) } else { None };
+        // Every rank must offer the same dtype to the all-gather: the last
+        // stage's logits' own, which it announces first.
+        let code = match &local {
+            Some(logits) => dtype_code(logits.dtype())
+                .ok_or_else(|| self.err(what, format!("cannot share {:?}", logits.dtype())))?,
+            None => -1,
         };
-        // Every rank must offer the same dtype; the last stage's logits
-        // have its hidden states' dtype.
-        let local = if local.dtype() == x.dtype() {
-            local
-        } else {
-            local.as_dtype(x.dtype())?
+        let codes = self
+            .group
+            .all_gather(&Array::from_slice(&[code], &[1]))
+            .map_err(|e| self.err(what, e))?;
+        evaluate(Why::Collective, [&codes]).map_err(|e| self.err(what, e))?;
+        let last_code = codes.as_slice::<i32>().last().copied().unwrap_or(-1);
+        let dtype = usize::try_from(last_code)
+            .ok()
+            .and_then(|i| DTYPES.get(i).copied())
+            .ok_or_else(|| {
+                self.err(
+                    what,
+                    format!("the last stage announced dtype code {last_code}"),
+                )
+            })?;
+        let local = match local {
+            Some(logits) => logits,
+            None => {
+                let mut shape = x.shape().to_vec();
+                if let Some(last) = shape.last_mut() {
+                    *last = vocab as i32;
+                }
+                zeros_dtype(&shape, dtype)?
+            }
         };
         let all = self
             .group
             .all_gather(&local)
-            .map_err(|e| self.err("sharing the logits", e))?;
-        evaluate(Why::Collective, [&all]).map_err(|e| self.err("sharing the logits", e))?;
+            .map_err(|e| self.err(what, e))?;
+        evaluate(Why::Collective, [&all]).map_err(|e| self.err(what, e))?;
         let rows = x.dim(0);
         let last = (self.group.size() as i32 - 1) * rows;
         Ok(all.index(last..last + rows))

@@ -5,7 +5,7 @@
 //! family; adding one is a folder under `models/` with its decoder and
 //! tests, and one entry in that list.
 
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Array;
 
 use crate::distributed::stage::Stage;
 use crate::error::Result;
@@ -32,9 +32,6 @@ pub(crate) trait Decoder {
 
     /// The logits of hidden states `(…, hidden)`: final norm and head.
     fn head(&self, config: &ModelConfig, x: &Array) -> Result<Array>;
-
-    /// The hidden states' dtype, where this decoder embeds tokens.
-    fn hidden_dtype(&self) -> Result<Option<Dtype>>;
 
     /// How generation runs this decoder's forwards (its layers decide).
     fn schedule(&self) -> Schedule;

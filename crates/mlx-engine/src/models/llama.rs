@@ -324,15 +324,6 @@ impl Llama {
 }
 
 impl Decoder for Llama {
-    fn hidden_dtype(&self) -> Result<Option<mlx_rs::Dtype>> {
-        match &self.embed {
-            Some(e) => Ok(Some(
-                e.lookup(&Array::from_slice(&[0i32], &[1, 1]))?.dtype(),
-            )),
-            None => Ok(None),
-        }
-    }
-
     fn schedule(&self) -> Schedule {
         match self.layers.schedule() {
             Schedule::Independent if self.experts_in_files => Schedule::WholeChunks,

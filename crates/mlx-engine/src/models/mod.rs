@@ -262,7 +262,7 @@ impl Model {
                 ),
             });
         }
-        let mut stage = match placement {
+        let stage = match placement {
             Placement::Pipeline { group, layers } if !group.is_single() => {
                 let n = config.num_hidden_layers;
                 let can_cut = |i: usize| (family.can_cut_before)(&config, i);
@@ -294,11 +294,8 @@ impl Model {
         };
         let decoder = (family.load)(&config, &w, &stage)?;
         if let Some(group) = placement.group() {
-            let hidden_dtype = decoder.hidden_dtype()?;
             let layers = stage.is_split().then(|| stage.layers());
-            let digest = distributed::model_digest(dir, &set)?;
-            let agreed = distributed::agree(group, &digest, layers, hidden_dtype)?;
-            stage.set_hidden_dtype(agreed.hidden_dtype);
+            distributed::agree(group, dir, &set, layers)?;
         }
         // What the model holds is copied out of the files, and a table left
         // in them is read with positioned reads, so no page of the files

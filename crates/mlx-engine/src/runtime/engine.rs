@@ -307,7 +307,7 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
                 .map_err(|source| {
                     err(crate::Error::Stream {
                         dir: dir.clone(),
-                        source,
+                        source: Box::new(source),
                     })
                 })?;
             lora.push(source);

@@ -94,6 +94,15 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
     }
 }
 
+/// The files of a model folder that [`Tokenizer::load`] reads besides
+/// `config.json`: what the ranks of a group compare with the weights.
+pub(crate) const FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
+
 impl Tokenizer {
     /// Loads the tokenizer of the model folder `dir`.
     pub fn load(dir: &Path) -> Result<Tokenizer> {

@@ -256,7 +256,7 @@ impl<L> Stream<L> {
 fn stream_error(dir: &std::path::Path, source: block_stream::Error) -> Error {
     Error::Stream {
         dir: dir.to_path_buf(),
-        source,
+        source: Box::new(source),
     }
 }
 

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod converted;
 pub mod gemma_words;
 pub mod logits;
 pub mod tiny_gemma;

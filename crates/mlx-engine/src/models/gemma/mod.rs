@@ -203,16 +203,6 @@ impl Gemma {
 }
 
 impl Decoder for Gemma {
-    /// The hidden states' dtype: that of an embedded token (first stage).
-    fn hidden_dtype(&self) -> Result<Option<Dtype>> {
-        match &self.embed {
-            Some(e) => Ok(Some(
-                e.lookup(&Array::from_slice(&[0i32], &[1, 1]))?.dtype(),
-            )),
-            None => Ok(None),
-        }
-    }
-
     fn schedule(&self) -> Schedule {
         self.layers.schedule()
     }
