@@ -104,6 +104,16 @@ fn said(ranks: &[RankExit]) -> String {
         .join("\n")
 }
 
+/// Every rank's texts and last-position logits are `one`'s, bit for bit.
+fn every_rank_answers_as(one: &Value, ranks: &[RankExit], what: &str) {
+    for rank in ranks {
+        let r = result_of(rank);
+        let what = format!("{what}, rank {}", rank.rank);
+        assert_eq!(r["texts"], one["texts"], "{what}");
+        assert_eq!(r["logits_sha256"], one["logits_sha256"], "{what}");
+    }
+}
+
 fn failed_ranks(err: LaunchError) -> Vec<RankExit> {
     match err {
         LaunchError::RankFailed { ranks, .. } | LaunchError::Timeout { ranks, .. } => ranks,
@@ -136,12 +146,7 @@ fn a_pipeline_of_two_or_three_ranks_answers_as_one_process_bit_for_bit() {
                 "--all-ranks",
             ];
             let ranks = job(n, &args(&model, &conversations, &extra)).unwrap();
-            for rank in &ranks {
-                let r = result_of(rank);
-                let what = format!("{variant}, {n} ranks, {memory}, rank {}", rank.rank);
-                assert_eq!(r["texts"], one["texts"], "{what}");
-                assert_eq!(r["logits_sha256"], one["logits_sha256"], "{what}");
-            }
+            every_rank_answers_as(&one, &ranks, &format!("{variant}, {n} ranks, {memory}"));
         }
     }
 }
@@ -318,12 +323,7 @@ fn a_gemma4_pipeline_answers_as_one_process_bit_for_bit() {
         let one = result_of(&job(1, &base(&[])).unwrap()[0]);
         for n in [2, 3] {
             let ranks = job(n, &base(&["--placement", "pipeline", "--all-ranks"])).unwrap();
-            for rank in &ranks {
-                let r = result_of(rank);
-                let what = format!("{name}, {n} ranks, rank {}", rank.rank);
-                assert_eq!(r["texts"], one["texts"], "{what}");
-                assert_eq!(r["logits_sha256"], one["logits_sha256"], "{what}");
-            }
+            every_rank_answers_as(&one, &ranks, &format!("{name}, {n} ranks"));
         }
         // A cut between the KV-shared layers and their sources is refused,
         // on every rank, with the reason.
@@ -468,12 +468,7 @@ fn pipelines_answer_as_one_process(what: &str, model: &Path, conversations: &Pat
         for n in [2, 3] {
             let ranks = job(n, &base(&["--placement", "pipeline", "--all-ranks"]))
                 .unwrap_or_else(|e| panic!("{what} {arithmetic:?}, {n} ranks: {e}"));
-            for rank in &ranks {
-                let r = result_of(rank);
-                let what = format!("{what} {arithmetic:?}, {n} ranks, rank {}", rank.rank);
-                assert_eq!(r["texts"], one["texts"], "{what}");
-                assert_eq!(r["logits_sha256"], one["logits_sha256"], "{what}");
-            }
+            every_rank_answers_as(&one, &ranks, &format!("{what} {arithmetic:?}, {n} ranks"));
         }
     }
 }

@@ -207,31 +207,21 @@ fn dense_moe_answers_as_mlx_lm(test: &str, family: &str) {
                     "widen_experts": widen}),
         )
     };
-    let greedy_of = |reply: &Value| -> Vec<u32> {
-        serde_json::from_value(reply["alone_greedy"][0].clone()).unwrap()
+    // mlx_lm's logits at every position and its greedy tokens on `dir`.
+    let mlx_lm_on = |dir: &Path, request: &Path| -> (Value, Vec<u32>) {
+        let logits = run_parity_script(&python, "mlx_lm_positions.py", dir, request);
+        let reply = run_parity_script(&python, "mlx_lm_gemma.py", dir, request);
+        let greedy = serde_json::from_value(reply["alone_greedy"][0].clone()).unwrap();
+        (logits, greedy)
     };
     for dtype in ["bfloat16", "float16"] {
         let half = work.path().join(dtype);
         convert(&python, &src, &half, dtype, None);
-        let widened = request(&half, true);
-        let expected = run_parity_script(&python, "mlx_lm_positions.py", &half, &widened);
-        let theirs = greedy_of(&run_parity_script(
-            &python,
-            "mlx_lm_gemma.py",
-            &half,
-            &widened,
-        ));
+        let (expected, theirs) = mlx_lm_on(&half, &request(&half, true));
         // The same (rounded) weights, cast back to f32 by mlx_lm.
         let wide = work.path().join(format!("{dtype}-as-f32"));
         convert(&python, &half, &wide, "float32", None);
-        let in_f32 = request(&wide, false);
-        let f32_logits = run_parity_script(&python, "mlx_lm_positions.py", &wide, &in_f32);
-        let f32_greedy = greedy_of(&run_parity_script(
-            &python,
-            "mlx_lm_gemma.py",
-            &wide,
-            &in_f32,
-        ));
+        let (f32_logits, f32_greedy) = mlx_lm_on(&wide, &request(&wide, false));
         for handling in [QuantizedWeights::Keep, QuantizedWeights::DequantizeOnUse] {
             for memory in [
                 MemoryMode::Resident,
