@@ -112,6 +112,17 @@ enum Cmd {
         /// The new version, e.g. 0.2.0.
         version: Option<String>,
     },
+    /// Start the OpenAI-compatible server (crates/mlx-serve, release
+    /// build) on a model folder; arguments after the folder go to
+    /// `mlx-serve` (`cargo xtask serve -- --help` lists them).
+    Serve {
+        /// An mlx_lm-format model folder (default: the SmolLM2 fixture's
+        /// f32 weights, fetched once).
+        #[arg(long)]
+        model_dir: Option<PathBuf>,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Install the system packages the MLX build needs, and nothing else.
     Prereqs,
     /// Start PROGRAM on every rank of an MLX job: writes MLX's hostfile,
@@ -226,6 +237,37 @@ fn run(cli: Cli) -> Result<()> {
     std::env::set_current_dir(&root).context("entering the workspace root")?;
     match cli.command {
         Cmd::Prereqs => prereqs::ensure(),
+        Cmd::Serve { model_dir, args } => {
+            prereqs::ensure()?;
+            fast_blas();
+            let model_dir = match model_dir {
+                Some(dir) => here(&dir),
+                None => fixtures::ensure()?.join("f32"),
+            };
+            let mut cargo = Command::new(cargo_bin());
+            cargo
+                .args(["run", "--quiet", "--release", "-p", "mlx-serve", "--"])
+                .arg("--model-dir")
+                .arg(&model_dir)
+                .args(&args);
+            // As for `launch`: this process becomes the server (through
+            // cargo), so that SIGTERM and Ctrl-C reach it and it shuts
+            // down gracefully.
+            #[cfg(unix)]
+            {
+                use std::os::unix::process::CommandExt;
+                let err = cargo.exec();
+                Err(err).context("running cargo run -p mlx-serve")
+            }
+            #[cfg(not(unix))]
+            {
+                let status = cargo.status()?;
+                if !status.success() {
+                    bail!("the server failed ({status})");
+                }
+                Ok(())
+            }
+        }
         Cmd::Launch {
             hosts,
             ranks_per_host,

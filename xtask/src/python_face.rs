@@ -28,6 +28,8 @@ const FACE_PACKAGES: &[&str] = &[
     "pydantic>=2.7",
     "anyio>=4.4",
     "maturin==1.16.0",
+    // The server's tests: a client no one here wrote.
+    "openai==3.63.0",
 ];
 
 /// Installed with `--no-deps`: the application as published, without its

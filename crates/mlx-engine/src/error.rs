@@ -161,6 +161,15 @@ pub enum EngineError {
     /// The engine was closed, or its worker is gone.
     #[error("the engine is closed")]
     Closed,
+    /// The serving queue holds `limit` requests already; try again later.
+    #[error("{limit} requests are waiting already (EngineConfig::max_queue); try again later")]
+    QueueFull { limit: usize },
+    /// A request's deadline passed before it was done.
+    #[error("the request's deadline passed before it was done")]
+    DeadlineExceeded,
+    /// A request that cannot be served as asked (e.g. `max_tokens` 0).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
     /// With a distributed placement, the worker did not answer within
     /// `EngineConfig::peer_timeout` (a peer rank stopped without exiting,
     /// or this rank was called without the others); the engine is closed.

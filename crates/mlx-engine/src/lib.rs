@@ -133,7 +133,11 @@ pub use runtime::generate::{Generation, GenerationStats};
 pub use runtime::lanes::{default_lanes, BlasThreads};
 pub use runtime::options::{
     EngineConfig, GenerateOptions, LogitsProcessor, LogitsProcessorFactory, PrefixCache,
-    DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PEER_TIMEOUT,
+    DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_PEER_TIMEOUT, DEFAULT_PREFIX_STORE_BYTES,
+};
+pub use runtime::serving::{
+    Completion, CompletionStream, CompletionText, Finish, FinishReason, Sampling, ServingMetrics,
+    StreamEvent, TokenLogprob,
 };
 pub use tokenizer::{Message, SpecialTokens, Tokenizer};
 pub use weights::kernels::Kernels;

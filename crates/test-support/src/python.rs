@@ -22,3 +22,22 @@ pub fn python_with(test: &str, modules: &str) -> Option<String> {
     }
     has.then_some(python)
 }
+
+/// The Python 3.13 of the Python face (`MLX_LOWMEM_FACE_PYTHON`: spawnllm,
+/// the `openai` package, cc-sentiment) if it imports `modules`; otherwise
+/// `None`, said on stderr as `test`'s reason to skip.
+pub fn face_python_with(test: &str, modules: &str) -> Option<String> {
+    let Some(python) = std::env::var_os("MLX_LOWMEM_FACE_PYTHON") else {
+        eprintln!("SKIP {test}: MLX_LOWMEM_FACE_PYTHON is not set (cargo xtask test sets it)");
+        return None;
+    };
+    let python = python.to_string_lossy().into_owned();
+    let has = Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has {
+        eprintln!("SKIP {test}: {python} lacks {modules} (cargo xtask test provides it)");
+    }
+    has.then_some(python)
+}

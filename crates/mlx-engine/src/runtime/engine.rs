@@ -8,6 +8,7 @@
 //! Nobody waits forever.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
@@ -17,6 +18,10 @@ use crate::error::{panic_message, EngineError};
 use crate::models::{MemoryMode, Model, QuantizedWeights};
 use crate::runtime::generate::{generate_batch, GenSettings, GenState, Generation};
 use crate::runtime::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
+use crate::runtime::serving::scheduler::{Scheduler, SchedulerSettings};
+use crate::runtime::serving::{
+    Completion, CompletionStream, Counters, Pending, ServingMetrics, SharedCounters, StreamEvent,
+};
 use crate::tokenizer::{Message, Tokenizer};
 
 /// What a job submitted with [`MlxEngine::submit`] gets to work with.
@@ -24,9 +29,25 @@ pub struct Worker {
     model: Arc<Model>,
     tokenizer: Tokenizer,
     state: GenState,
+    serving: Scheduler,
 }
 
 impl Worker {
+    /// One serving step; a panic in it fails the requests it held, and
+    /// the worker goes on.
+    fn serve_step(&mut self) {
+        let Worker {
+            model,
+            tokenizer,
+            serving,
+            ..
+        } = self;
+        let stepped = catch_unwind(AssertUnwindSafe(|| serving.step(model, tokenizer)));
+        if let Err(p) = stepped {
+            serving.fail_all(&EngineError::Panicked(panic_message(p)));
+        }
+    }
+
     /// The loaded model.
     pub fn model(&self) -> &Model {
         &self.model
@@ -57,6 +78,7 @@ type Job = Box<dyn FnOnce(Result<&mut Worker, &EngineError>) + Send>;
 
 enum Command {
     Run(Job),
+    Serve(Pending),
     Close,
 }
 
@@ -109,6 +131,10 @@ pub struct MlxEngine {
     loaded: Arc<OnceLock<Result<(), EngineError>>>,
     /// With a distributed placement: how long blocking calls wait.
     peer_timeout: Option<std::time::Duration>,
+    /// Serving's counters, shared with the worker.
+    counters: SharedCounters,
+    /// Serving requests that may wait.
+    max_queue: usize,
 }
 
 impl MlxEngine {
@@ -124,18 +150,17 @@ impl MlxEngine {
         let (tx, rx) = unbounded::<Command>();
         let loaded = Arc::new(OnceLock::new());
         let load_result = loaded.clone();
+        let counters: SharedCounters = Arc::new(Counters::default());
+        let worker_counters = counters.clone();
+        let max_queue = config.max_queue;
         let handle = std::thread::Builder::new()
             .name(config.worker_name.clone())
             .spawn(move || {
-                let mut worker = catch_unwind(AssertUnwindSafe(|| load(config)))
-                    .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
+                let mut worker =
+                    catch_unwind(AssertUnwindSafe(|| load(config, worker_counters.clone())))
+                        .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
                 let _ = load_result.set(worker.as_ref().map(|_| ()).map_err(Clone::clone));
-                for command in rx {
-                    match command {
-                        Command::Run(job) => job(worker.as_mut().map_err(|e| &*e)),
-                        Command::Close => break,
-                    }
-                }
+                serve(&rx, &mut worker, &worker_counters);
             })
             .map_err(|e| EngineError::Spawn(e.to_string()))?;
         Ok(MlxEngine {
@@ -143,6 +168,8 @@ impl MlxEngine {
             running: Mutex::new(Some(Running { tx, handle })),
             loaded,
             peer_timeout,
+            counters,
+            max_queue,
         })
     }
 
@@ -257,6 +284,60 @@ impl MlxEngine {
         self.wait_for_peers(self.generate_async(conversations, options))
     }
 
+    /// Answers `completion` as a stream of tokens, decoded together with
+    /// the other requests running (continuous batching; see
+    /// [`Completion`]). Returns at once; the request waits for a slot in a
+    /// queue of at most [`EngineConfig::max_queue`]. Dropping the stream
+    /// cancels it.
+    ///
+    /// # Errors
+    /// [`EngineError::QueueFull`] when the queue is full,
+    /// [`EngineError::InvalidRequest`] for no messages or `max_tokens` 0,
+    /// [`EngineError::InvalidConfig`] with a distributed placement (serving
+    /// runs in one process), [`EngineError::Closed`] after `close`. Errors
+    /// of the request itself (its prompt too long, a failed forward) come
+    /// as the stream's [`StreamEvent::Failed`].
+    pub fn complete(&self, completion: Completion) -> Result<CompletionStream, EngineError> {
+        if self.peer_timeout.is_some() {
+            return Err(EngineError::InvalidConfig(
+                "serving runs in one process, not with a distributed placement".into(),
+            ));
+        }
+        if completion.messages.is_empty() {
+            return Err(EngineError::InvalidRequest("no messages".into()));
+        }
+        if completion.max_tokens == 0 {
+            return Err(EngineError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        let limit = self.max_queue;
+        self.counters
+            .waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+                (w < limit).then_some(w + 1)
+            })
+            .map_err(|_| EngineError::QueueFull { limit })?;
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        let command = Command::Serve(Pending { completion, events });
+        let sent = self
+            .running
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .is_some_and(|running| running.tx.send(command).is_ok());
+        if !sent {
+            self.counters.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::Closed);
+        }
+        Ok(CompletionStream { events: rx })
+    }
+
+    /// Serving's counters now: queue, running rows, tokens, prefix store.
+    pub fn serving_metrics(&self) -> ServingMetrics {
+        self.counters.snapshot()
+    }
+
     /// The process's peak resident set size in bytes, from the OS (`VmHWM`
     /// on Linux, `ru_maxrss` elsewhere, whose unit differs by platform).
     pub fn peak_memory_bytes(&self) -> Option<u64> {
@@ -290,7 +371,51 @@ impl Drop for MlxEngine {
     }
 }
 
-fn load(config: EngineConfig) -> Result<Worker, EngineError> {
+/// The worker's loop: runs jobs and queues serving requests as they come,
+/// and between them, while requests wait or run, takes serving steps.
+fn serve(
+    rx: &crossbeam_channel::Receiver<Command>,
+    worker: &mut Result<Worker, EngineError>,
+    counters: &Counters,
+) {
+    loop {
+        let idle = worker.as_ref().map_or(true, |w| w.serving.is_idle());
+        let mut next = if idle {
+            match rx.recv() {
+                Ok(command) => Some(command),
+                Err(_) => return,
+            }
+        } else {
+            rx.try_recv().ok()
+        };
+        while let Some(command) = next {
+            match command {
+                Command::Run(job) => job(worker.as_mut().map_err(|e| &*e)),
+                Command::Serve(pending) => match worker.as_mut() {
+                    Ok(w) => w.serving.enqueue(pending),
+                    Err(e) => {
+                        counters.waiting.fetch_sub(1, Ordering::SeqCst);
+                        let _ = pending.events.send(StreamEvent::Failed(e.clone()));
+                    }
+                },
+                Command::Close => {
+                    if let Ok(w) = worker.as_mut() {
+                        w.serving.fail_all(&EngineError::Closed);
+                    }
+                    return;
+                }
+            }
+            next = rx.try_recv().ok();
+        }
+        if let Ok(w) = worker.as_mut() {
+            if !w.serving.is_idle() {
+                w.serve_step();
+            }
+        }
+    }
+}
+
+fn load(config: EngineConfig, counters: SharedCounters) -> Result<Worker, EngineError> {
     let _span = tracing::info_span!("load", model_dir = %config.model_dir.display()).entered();
     let err = |e: crate::Error| EngineError::Load(Arc::new(e));
     let device = mlx_support::best_device();
@@ -360,6 +485,16 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         placement: config.placement.clone(),
     };
     let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
+    let serving = Scheduler::new(
+        SchedulerSettings {
+            batch_size: config.batch_size,
+            max_prompt_tokens,
+            special_tokens: config.special_tokens,
+            prefix_store_bytes: config.prefix_store_bytes,
+        },
+        counters,
+        state.shareable_prefix(),
+    );
     // What the load freed (the tokenizer file's parse, transient copies,
     // the prefix's forward) would otherwise stay resident between
     // requests; the first chunk faults in what it needs again, once.
@@ -374,5 +509,6 @@ fn load(config: EngineConfig) -> Result<Worker, EngineError> {
         model,
         tokenizer,
         state,
+        serving,
     })
 }

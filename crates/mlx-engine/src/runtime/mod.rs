@@ -6,3 +6,5 @@ pub(crate) mod engine;
 pub(crate) mod generate;
 pub(crate) mod lanes;
 pub(crate) mod options;
+pub(crate) mod prefill;
+pub(crate) mod serving;

@@ -81,6 +81,8 @@ pub struct EngineConfig {
     pub(crate) prefix_cache: PrefixCache,
     pub(crate) placement: Placement,
     pub(crate) peer_timeout: std::time::Duration,
+    pub(crate) max_queue: usize,
+    pub(crate) prefix_store_bytes: usize,
 }
 
 impl EngineConfig {
@@ -108,7 +110,25 @@ impl EngineConfig {
             prefix_cache: PrefixCache::Clean,
             placement: Placement::Local,
             peer_timeout: DEFAULT_PEER_TIMEOUT,
+            max_queue: DEFAULT_MAX_QUEUE,
+            prefix_store_bytes: DEFAULT_PREFIX_STORE_BYTES,
         }
+    }
+
+    /// How many [`complete`](crate::MlxEngine::complete) requests may wait
+    /// for a slot (default [`DEFAULT_MAX_QUEUE`]); one more is refused
+    /// with [`EngineError::QueueFull`](crate::EngineError::QueueFull).
+    pub fn max_queue(mut self, n: usize) -> EngineConfig {
+        self.max_queue = n;
+        self
+    }
+
+    /// Bytes of prompt prefixes' keys and values that serving keeps for
+    /// later requests (default [`DEFAULT_PREFIX_STORE_BYTES`]); the least
+    /// recently used go first. The prefix messages' cache is held besides.
+    pub fn prefix_store_bytes(mut self, bytes: usize) -> EngineConfig {
+        self.prefix_store_bytes = bytes;
+        self
     }
 
     /// Messages every conversation starts with; their cache is computed once.
@@ -268,6 +288,13 @@ impl EngineConfig {
 /// How long a distributed engine's calls wait for their ranks by default:
 /// far longer than any step, short enough that a stuck job ends.
 pub const DEFAULT_PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Serving requests that may wait for a slot, by default.
+pub const DEFAULT_MAX_QUEUE: usize = 256;
+
+/// Bytes of shared prefixes serving keeps, by default (256 MiB: SmolLM2's
+/// cache of a 600-token prompt is 28 MB, Gemma 3 270M's about 11 MB).
+pub const DEFAULT_PREFIX_STORE_BYTES: usize = 256 << 20;
 
 /// The prompt limit of a model whose config names no context length.
 pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 8192;

@@ -1,0 +1,524 @@
+//! The worker's side of continuous batching: waiting requests, running
+//! rows grouped by the prefix they share, and one step at a time.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use mlx_rs::Array;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::EngineError;
+use crate::evaluation::{evaluate, Why};
+use crate::models::Model;
+use crate::nn::cache::KvCache;
+use crate::runtime::prefill::{prefill_groups, prefill_into};
+use crate::runtime::serving::prefix_store::{Found, PrefixStore};
+use crate::runtime::serving::sampling::{Picked, Sampler};
+use crate::runtime::serving::text::RowText;
+use crate::runtime::serving::{
+    Finish, FinishReason, Pending, SharedCounters, StreamEvent, TokenLogprob,
+};
+use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
+
+/// Room for this many more positions when rows join a batch.
+const JOIN_SPARE: i32 = 32;
+
+/// How the worker serves: limits and the prefix store's size.
+#[derive(Debug, Clone)]
+pub(crate) struct SchedulerSettings {
+    pub batch_size: usize,
+    pub max_prompt_tokens: usize,
+    pub special_tokens: SpecialTokens,
+    pub prefix_store_bytes: usize,
+}
+
+/// A request's row while it decodes.
+#[derive(Debug)]
+struct Row {
+    events: UnboundedSender<StreamEvent>,
+    sampler: Sampler,
+    logprobs: Option<usize>,
+    max_tokens: usize,
+    deadline: Option<Instant>,
+    generated: Vec<u32>,
+    text: RowText,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    /// The token picked last, which the next step feeds.
+    next: u32,
+}
+
+/// Rows that share one prefix's cache, decoded as one batch.
+#[derive(Debug)]
+struct Cohort {
+    prefix: u64,
+    cache: KvCache,
+    rows: Vec<Row>,
+}
+
+/// A request admitted this step, its prompt tokenized.
+struct Admitted {
+    row: Row,
+    prefix: Found,
+    suffix: Vec<u32>,
+}
+
+/// See the module's docs.
+#[derive(Debug)]
+pub(crate) struct Scheduler {
+    settings: SchedulerSettings,
+    waiting: VecDeque<Pending>,
+    cohorts: Vec<Cohort>,
+    store: PrefixStore,
+    counters: SharedCounters,
+}
+
+impl Scheduler {
+    /// A scheduler whose store starts with `pinned` (the engine's prefix
+    /// messages' tokens and cache), if any.
+    pub(crate) fn new(
+        settings: SchedulerSettings,
+        counters: SharedCounters,
+        pinned: Option<(Vec<u32>, KvCache)>,
+    ) -> Scheduler {
+        let mut store = PrefixStore::new(settings.prefix_store_bytes);
+        if let Some((tokens, cache)) = pinned {
+            store.insert(tokens, cache, true);
+        }
+        let scheduler = Scheduler {
+            settings,
+            waiting: VecDeque::new(),
+            cohorts: Vec::new(),
+            store,
+            counters,
+        };
+        scheduler.publish();
+        scheduler
+    }
+
+    /// Whether nothing waits or runs.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.cohorts.is_empty()
+    }
+
+    /// Queues a request for the next step.
+    pub(crate) fn enqueue(&mut self, pending: Pending) {
+        self.waiting.push_back(pending);
+    }
+
+    /// Ends every waiting and running request with `error`.
+    pub(crate) fn fail_all(&mut self, error: &EngineError) {
+        for pending in self.waiting.drain(..) {
+            let _ = pending.events.send(StreamEvent::Failed(error.clone()));
+        }
+        for cohort in self.cohorts.drain(..) {
+            for row in cohort.rows {
+                let _ = row.events.send(StreamEvent::Failed(error.clone()));
+            }
+        }
+        self.counters.waiting.store(0, Ordering::Relaxed);
+        self.publish();
+    }
+
+    /// One step: admits waiting requests into free slots (prefilling
+    /// them, which picks their first token), then decodes one token for
+    /// every running row.
+    pub(crate) fn step(&mut self, model: &Model, tokenizer: &Tokenizer) {
+        let start = Instant::now();
+        let eos: Vec<u32> = tokenizer.eos_ids().iter().copied().collect();
+        self.admit(model, tokenizer, &eos);
+        let mut cohorts = std::mem::take(&mut self.cohorts);
+        for cohort in &mut cohorts {
+            drop_gone_rows(cohort);
+            if cohort.rows.is_empty() {
+                continue;
+            }
+            if let Err(e) = decode(model, tokenizer, &eos, cohort, &self.counters) {
+                let error = EngineError::Generate(std::sync::Arc::new(e));
+                for row in cohort.rows.drain(..) {
+                    let _ = row.events.send(StreamEvent::Failed(error.clone()));
+                }
+            }
+        }
+        cohorts.retain(|c| !c.rows.is_empty());
+        self.cohorts = cohorts;
+        let micros = start.elapsed().as_micros() as u64;
+        self.counters
+            .busy_micros
+            .fetch_add(micros, Ordering::Relaxed);
+        self.publish();
+    }
+
+    fn running(&self) -> usize {
+        self.cohorts.iter().map(|c| c.rows.len()).sum()
+    }
+
+    fn publish(&self) {
+        let (entries, bytes) = self.store.size();
+        let c = &self.counters;
+        c.running.store(self.running(), Ordering::Relaxed);
+        c.prefix_entries.store(entries, Ordering::Relaxed);
+        c.prefix_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Takes waiting requests into free slots, prefills them by shared
+    /// prefix, and adds the rows that go on to their prefix's batch.
+    fn admit(&mut self, model: &Model, tokenizer: &Tokenizer, eos: &[u32]) {
+        let free = self.settings.batch_size.saturating_sub(self.running());
+        let mut admitted: Vec<Admitted> = Vec::new();
+        while admitted.len() < free {
+            let Some(pending) = self.waiting.pop_front() else {
+                break;
+            };
+            self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+            if pending.events.is_closed() {
+                continue;
+            }
+            if past(pending.completion.deadline) {
+                let _ = pending
+                    .events
+                    .send(StreamEvent::Failed(EngineError::DeadlineExceeded));
+                continue;
+            }
+            match self.tokenize(model, tokenizer, &pending) {
+                Ok((prefix, suffix, prompt_tokens)) => {
+                    let c = pending.completion;
+                    let row = Row {
+                        events: pending.events,
+                        sampler: Sampler::new(c.sampling),
+                        logprobs: c.logprobs,
+                        max_tokens: c.max_tokens,
+                        deadline: c.deadline,
+                        generated: Vec::new(),
+                        text: RowText::new(c.stop),
+                        prompt_tokens,
+                        cached_tokens: prefix.len,
+                        next: 0,
+                    };
+                    admitted.push(Admitted {
+                        row,
+                        prefix,
+                        suffix,
+                    });
+                }
+                Err(e) => {
+                    let _ = pending.events.send(StreamEvent::Failed(e));
+                }
+            }
+        }
+        // By prefix, then by length: neighbours prefill together.
+        admitted.sort_by_key(|a| (a.prefix.id, a.suffix.len()));
+        let mut rest = admitted.as_mut_slice();
+        while !rest.is_empty() {
+            let id = rest[0].prefix.id;
+            let n = rest.iter().take_while(|a| a.prefix.id == id).count();
+            let (same, after) = rest.split_at_mut(n);
+            let lengths: Vec<usize> = same.iter().map(|a| a.suffix.len()).collect();
+            for group in prefill_groups(&lengths, model.pass_cost_tokens()) {
+                let rows = &mut same[group];
+                if let Err(e) = self.prefill(model, tokenizer, eos, rows) {
+                    let error = EngineError::Generate(std::sync::Arc::new(e));
+                    for a in rows.iter() {
+                        let _ = a.row.events.send(StreamEvent::Failed(error.clone()));
+                    }
+                }
+            }
+            rest = after;
+        }
+    }
+
+    /// The prompt's tokens, checked, split at the longest prefix the store
+    /// holds, or computes the leading system messages' prefix for it.
+    fn tokenize(
+        &mut self,
+        model: &Model,
+        tokenizer: &Tokenizer,
+        pending: &Pending,
+    ) -> Result<(Found, Vec<u32>, usize), EngineError> {
+        let messages = &pending.completion.messages;
+        let special = self.settings.special_tokens;
+        let gen_err = |e: crate::Error| EngineError::Generate(std::sync::Arc::new(e));
+        let prompt = tokenizer
+            .chat_tokens(messages, true, special)
+            .map_err(gen_err)?;
+        let limit = self.settings.max_prompt_tokens;
+        if prompt.len() > limit {
+            return Err(EngineError::PromptTooLong {
+                index: 0,
+                tokens: prompt.len(),
+                limit,
+            });
+        }
+        let vocab = model.config().vocab_size;
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(gen_err(crate::Error::TokenOutOfRange { id, vocab }));
+        }
+        let found = self.store.lookup(&prompt);
+        let shareable = shared_messages(messages)
+            .map(|leading| tokenizer.chat_tokens(leading, false, special))
+            .transpose()
+            .map_err(gen_err)?
+            .filter(|t| !t.is_empty() && t.len() < prompt.len() && prompt.starts_with(t));
+        let prefix = match (found, shareable) {
+            (Some(found), Some(tokens)) if found.len >= tokens.len() => {
+                self.counters.prefix_hits.fetch_add(1, Ordering::Relaxed);
+                found
+            }
+            (_, Some(tokens)) => {
+                self.counters.prefix_misses.fetch_add(1, Ordering::Relaxed);
+                let _span = tracing::info_span!("prefix_prefill", tokens = tokens.len()).entered();
+                let mut cache = KvCache::new();
+                prefill_into(model, &mut cache, &[&tokens]).map_err(gen_err)?;
+                let cache = cache.fork(1).map_err(gen_err)?;
+                cache.evaluate().map_err(gen_err)?;
+                self.store.insert(tokens, cache, false)
+            }
+            (Some(found), None) => {
+                self.counters.prefix_hits.fetch_add(1, Ordering::Relaxed);
+                found
+            }
+            (None, None) => Found {
+                id: 0,
+                len: 0,
+                cache: KvCache::new(),
+            },
+        };
+        let c = &self.counters;
+        c.requests.fetch_add(1, Ordering::Relaxed);
+        c.prompt_tokens
+            .fetch_add(prompt.len() as u64, Ordering::Relaxed);
+        c.cached_prompt_tokens
+            .fetch_add(prefix.len as u64, Ordering::Relaxed);
+        let suffix = prompt[prefix.len..].to_vec();
+        Ok((prefix, suffix, prompt.len()))
+    }
+
+    /// Prefills `group` (one prefix, similar lengths) as one block, picks
+    /// each row's first token, and adds the rows that go on to their
+    /// prefix's batch.
+    fn prefill(
+        &mut self,
+        model: &Model,
+        tokenizer: &Tokenizer,
+        eos: &[u32],
+        group: &mut [Admitted],
+    ) -> crate::Result<()> {
+        let prefix = group[0].prefix.clone();
+        let mut cache = prefix.cache.fork(group.len() as i32)?;
+        let rows: Vec<&[u32]> = group.iter().map(|a| a.suffix.as_slice()).collect();
+        let last = prefill_into(model, &mut cache, &rows)?;
+        let logits = host_logits(&model.head(&last)?)?;
+        let vocab = logits.len() / group.len();
+        let mut keep = Vec::new();
+        let mut joining = Vec::new();
+        for (i, admitted) in group.iter_mut().enumerate() {
+            // Moved out; the placeholder's sender is closed and unused.
+            let mut row = std::mem::replace(&mut admitted.row, placeholder_row());
+            let row_logits = &logits[i * vocab..(i + 1) * vocab];
+            if emit(&mut row, row_logits, tokenizer, eos, &self.counters)? {
+                keep.push(i);
+                joining.push(row);
+            }
+        }
+        if joining.is_empty() {
+            return Ok(());
+        }
+        cache.retain_rows(&keep)?;
+        match self.cohorts.iter_mut().find(|c| c.prefix == prefix.id) {
+            Some(cohort) => {
+                let running = std::mem::take(&mut cohort.cache);
+                cohort.cache = KvCache::stack(vec![running, cache], JOIN_SPARE)?;
+                cohort.rows.extend(joining);
+            }
+            None => self.cohorts.push(Cohort {
+                prefix: prefix.id,
+                cache,
+                rows: joining,
+            }),
+        }
+        Ok(())
+    }
+}
+
+/// The leading system (or developer) messages: what requests of one
+/// application share. `None` without any, or when nothing follows them.
+fn shared_messages(messages: &[Message]) -> Option<&[Message]> {
+    let n = messages
+        .iter()
+        .take_while(|m| m.role == "system" || m.role == "developer")
+        .count();
+    (n > 0 && n < messages.len()).then(|| &messages[..n])
+}
+
+fn past(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
+}
+
+/// A row standing in for one moved out of an admitted request.
+fn placeholder_row() -> Row {
+    let (events, _) = tokio::sync::mpsc::unbounded_channel();
+    Row {
+        events,
+        sampler: Sampler::new(crate::runtime::serving::Sampling::greedy()),
+        logprobs: None,
+        max_tokens: 0,
+        deadline: None,
+        generated: Vec::new(),
+        text: RowText::default(),
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        next: 0,
+    }
+}
+
+/// Takes out the rows whose caller dropped its stream or whose deadline
+/// passed; their slots are free at once.
+fn drop_gone_rows(cohort: &mut Cohort) {
+    let keep: Vec<usize> = (0..cohort.rows.len())
+        .filter(|&i| {
+            let row = &cohort.rows[i];
+            if row.events.is_closed() {
+                return false;
+            }
+            if past(row.deadline) {
+                let _ = row
+                    .events
+                    .send(StreamEvent::Failed(EngineError::DeadlineExceeded));
+                return false;
+            }
+            true
+        })
+        .collect();
+    retain(cohort, &keep);
+}
+
+/// Keeps rows `keep` of the cohort, cache and all. A cache that cannot
+/// drop rows fails them all (it never happens with valid indices).
+fn retain(cohort: &mut Cohort, keep: &[usize]) {
+    if keep.len() == cohort.rows.len() {
+        return;
+    }
+    if keep.is_empty() {
+        cohort.rows.clear();
+        cohort.cache = KvCache::new();
+        return;
+    }
+    if let Err(e) = cohort.cache.retain_rows(keep) {
+        let error = EngineError::Generate(std::sync::Arc::new(e));
+        for row in cohort.rows.drain(..) {
+            let _ = row.events.send(StreamEvent::Failed(error.clone()));
+        }
+        return;
+    }
+    let mut rows: Vec<Option<Row>> = cohort.rows.drain(..).map(Some).collect();
+    cohort.rows = keep.iter().filter_map(|&i| rows[i].take()).collect();
+}
+
+/// One decoding step of a cohort: feeds each row's last token, picks the
+/// next, and lets finished rows go.
+fn decode(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    eos: &[u32],
+    cohort: &mut Cohort,
+    counters: &SharedCounters,
+) -> crate::Result<()> {
+    let ids: Vec<i32> = cohort.rows.iter().map(|r| r.next as i32).collect();
+    let tokens = Array::from_slice(&ids, &[ids.len() as i32, 1]);
+    let logits = host_logits(&model.forward_last(&tokens, &mut cohort.cache)?)?;
+    let vocab = logits.len() / ids.len();
+    let mut keep = Vec::with_capacity(ids.len());
+    for (i, row) in cohort.rows.iter_mut().enumerate() {
+        if emit(
+            row,
+            &logits[i * vocab..(i + 1) * vocab],
+            tokenizer,
+            eos,
+            counters,
+        )? {
+            keep.push(i);
+        }
+    }
+    retain(cohort, &keep);
+    Ok(())
+}
+
+/// The logits `(B, vocab)` on the host, as f32.
+fn host_logits(logits: &Array) -> crate::Result<Vec<f32>> {
+    let logits = logits.as_dtype(mlx_rs::Dtype::Float32)?;
+    evaluate(Why::Host, [&logits])?;
+    Ok(logits.as_slice::<f32>().to_vec())
+}
+
+/// Picks a row's next token from its logits and hands it back; returns
+/// whether the row goes on. A row whose caller is gone stops here.
+fn emit(
+    row: &mut Row,
+    logits: &[f32],
+    tokenizer: &Tokenizer,
+    eos: &[u32],
+    counters: &SharedCounters,
+) -> crate::Result<bool> {
+    let Picked { id, logprob, top } = row
+        .sampler
+        .pick(logits, row.logprobs)
+        .ok_or(crate::Error::NotFiniteLogits)?;
+    let finish = |row: &Row, reason| {
+        StreamEvent::Finished(Finish {
+            reason,
+            prompt_tokens: row.prompt_tokens,
+            cached_tokens: row.cached_tokens,
+            completion_tokens: row.generated.len(),
+        })
+    };
+    if eos.contains(&id) {
+        let whole = tokenizer.decode(&row.generated)?;
+        let tail = row.text.advance(&whole, true).text;
+        if !tail.is_empty() {
+            let _ = row.events.send(StreamEvent::Text(tail));
+        }
+        let _ = row.events.send(finish(row, FinishReason::Stop));
+        return Ok(false);
+    }
+    row.generated.push(id);
+    counters.generated_tokens.fetch_add(1, Ordering::Relaxed);
+    let last = row.generated.len() >= row.max_tokens;
+    let whole = tokenizer.decode(&row.generated)?;
+    let settled = row.text.advance(&whole, last);
+    let logprobs = match logprob {
+        Some(logprob) => {
+            let entry = |id: u32, logprob: f32| -> crate::Result<TokenLogprob> {
+                Ok(TokenLogprob {
+                    id,
+                    text: tokenizer.decode_with_special_tokens(&[id], false)?,
+                    logprob,
+                })
+            };
+            let top = top
+                .into_iter()
+                .map(|(id, lp)| entry(id, lp))
+                .collect::<crate::Result<Vec<_>>>()?;
+            Some((entry(id, logprob)?, top))
+        }
+        None => None,
+    };
+    let sent = row.events.send(StreamEvent::Token {
+        id,
+        text: settled.text,
+        logprobs,
+    });
+    if sent.is_err() {
+        return Ok(false);
+    }
+    let reason = if settled.stopped {
+        FinishReason::Stop
+    } else if last {
+        FinishReason::Length
+    } else {
+        row.next = id;
+        return Ok(true);
+    };
+    let _ = row.events.send(finish(row, reason));
+    Ok(false)
+}

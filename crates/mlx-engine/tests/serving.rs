@@ -1,0 +1,187 @@
+//! Continuous batching on the real model (the SmolLM2 fixture): rows join
+//! a running batch and leave it, prefixes are shared, and every bad call
+//! is a typed error.
+
+use std::path::PathBuf;
+
+use mlx_engine::{
+    Completion, EngineConfig, EngineError, FinishReason, Message, MlxEngine, StreamEvent,
+};
+
+fn smollm2(test: &str) -> Option<PathBuf> {
+    match std::env::var_os("MLX_LOWMEM_SMOLLM2") {
+        Some(dir) => Some(PathBuf::from(dir).join("f32")),
+        None => {
+            eprintln!("SKIP {test}: MLX_LOWMEM_SMOLLM2 is not set (cargo xtask fixtures)");
+            None
+        }
+    }
+}
+
+fn user(text: &str) -> Vec<Message> {
+    vec![Message::new("user", text)]
+}
+
+const PROMPTS: [&str; 5] = [
+    "Tell me a story about a dragon.",
+    "What is two plus two?",
+    "Name three colours.",
+    "Why is the sky blue? Explain at length, with examples from daily life.",
+    "Say hello.",
+];
+
+#[test]
+fn rows_that_join_and_leave_a_running_batch_answer_as_they_do_alone() {
+    let Some(model) = smollm2("rows_that_join_and_leave") else {
+        return;
+    };
+    let engine = MlxEngine::new(EngineConfig::new(&model).batch_size(3)).unwrap();
+    let lengths = [24, 4, 9, 16, 6];
+    let alone: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .zip(lengths)
+        .map(|(p, n)| {
+            let stream = engine
+                .complete(Completion::new(user(p)).max_tokens(n))
+                .unwrap();
+            stream.collect().unwrap().tokens
+        })
+        .collect();
+    // The first starts alone; the second and third join it after its
+    // third token; the last two wait for free slots (batch 3) and take
+    // them as the short ones finish.
+    let mut first = engine
+        .complete(Completion::new(user(PROMPTS[0])).max_tokens(lengths[0]))
+        .unwrap();
+    let mut tokens = Vec::new();
+    while tokens.len() < 3 {
+        match first.blocking_next() {
+            Some(StreamEvent::Token { id, .. }) => tokens.push(id),
+            other => panic!("{other:?}"),
+        }
+    }
+    let others: Vec<_> = (1..5)
+        .map(|i| {
+            engine
+                .complete(Completion::new(user(PROMPTS[i])).max_tokens(lengths[i]))
+                .unwrap()
+        })
+        .collect();
+    let rest = first.collect().unwrap();
+    tokens.extend(rest.tokens);
+    let mut together = vec![tokens];
+    together.extend(others.into_iter().map(|s| s.collect().unwrap().tokens));
+    assert_eq!(together, alone);
+    assert_eq!(engine.serving_metrics().requests, 10);
+}
+
+#[test]
+fn a_dropped_stream_frees_its_slot_and_the_next_request_runs() {
+    let Some(model) = smollm2("a_dropped_stream_frees_its_slot") else {
+        return;
+    };
+    let engine = MlxEngine::new(EngineConfig::new(&model).batch_size(1)).unwrap();
+    let mut long = engine
+        .complete(Completion::new(user(PROMPTS[0])).max_tokens(500))
+        .unwrap();
+    assert!(matches!(
+        long.blocking_next(),
+        Some(StreamEvent::Token { .. })
+    ));
+    drop(long);
+    let answer = engine
+        .complete(Completion::new(user(PROMPTS[1])).max_tokens(3))
+        .unwrap()
+        .collect()
+        .unwrap();
+    let finish = answer.finish.unwrap();
+    assert_eq!(finish.completion_tokens, answer.tokens.len());
+    assert!(
+        engine.serving_metrics().generated_tokens < 100,
+        "the dropped row stopped"
+    );
+    // The counters are published at the end of the step that finished it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while engine.serving_metrics().running != 0 {
+        assert!(std::time::Instant::now() < deadline, "a row still runs");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn the_prefix_messages_are_a_pinned_entry_of_the_prefix_store() {
+    let Some(model) = smollm2("the_prefix_messages_are_a_pinned_entry") else {
+        return;
+    };
+    let system = Message::new("system", "You answer in one short sentence.");
+    let engine =
+        MlxEngine::new(EngineConfig::new(&model).prefix_messages(vec![system.clone()])).unwrap();
+    let prefix_len = engine
+        .submit(|worker| worker.prefix_tokens().len())
+        .wait()
+        .unwrap();
+    let conversation = vec![
+        system,
+        Message::new("user", "What is the capital of France?"),
+    ];
+    let answer = engine
+        .complete(Completion::new(conversation.clone()).max_tokens(8))
+        .unwrap()
+        .collect()
+        .unwrap();
+    let finish = answer.finish.unwrap();
+    assert_eq!(finish.cached_tokens, prefix_len);
+    let metrics = engine.serving_metrics();
+    assert_eq!((metrics.prefix_hits, metrics.prefix_misses), (1, 0));
+    // Greedy, the same text as `generate` on the same conversation.
+    let generated = engine
+        .generate(
+            vec![conversation],
+            mlx_engine::GenerateOptions::new().max_tokens(8),
+        )
+        .unwrap();
+    assert_eq!(answer.text, generated.texts[0]);
+    assert!(matches!(
+        finish.reason,
+        FinishReason::Length | FinishReason::Stop
+    ));
+}
+
+#[test]
+fn bad_requests_overload_and_a_closed_engine_are_typed_errors() {
+    let Some(model) = smollm2("bad_requests_overload_and_a_closed_engine") else {
+        return;
+    };
+    let engine = MlxEngine::new(EngineConfig::new(&model).max_prompt_tokens(64)).unwrap();
+    let err = engine.complete(Completion::new(Vec::new())).unwrap_err();
+    assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
+    let err = engine
+        .complete(Completion::new(user("hi")).max_tokens(0))
+        .unwrap_err();
+    assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
+    let long = "word ".repeat(200);
+    match engine
+        .complete(Completion::new(user(&long)))
+        .unwrap()
+        .collect()
+    {
+        Err(EngineError::PromptTooLong { limit: 64, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    let past = std::time::Instant::now();
+    match engine
+        .complete(Completion::new(user("hi")).deadline(past))
+        .unwrap()
+        .collect()
+    {
+        Err(EngineError::DeadlineExceeded) => {}
+        other => panic!("{other:?}"),
+    }
+    engine.close();
+    let err = engine.complete(Completion::new(user("hi"))).unwrap_err();
+    assert!(matches!(err, EngineError::Closed), "{err}");
+
+    let full = MlxEngine::new(EngineConfig::new(&model).max_queue(0)).unwrap();
+    let err = full.complete(Completion::new(user("hi"))).unwrap_err();
+    assert!(matches!(err, EngineError::QueueFull { limit: 0 }), "{err}");
+}

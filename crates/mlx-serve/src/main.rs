@@ -1,0 +1,161 @@
+//! `mlx-serve --model-dir DIR`: the OpenAI-compatible server (see the
+//! crate's docs and docs/serving.md).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use mlx_engine::{EngineConfig, MemoryMode, MlxEngine, QuantizedWeights};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Memory {
+    Resident,
+    Mapped,
+    Streamed,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Quantized {
+    Keep,
+    Dequantize,
+}
+
+/// An OpenAI-compatible server on one model: continuous batching, shared
+/// prefixes computed once.
+#[derive(Debug, Parser)]
+#[command(name = "mlx-serve", version)]
+struct Args {
+    /// The model folder (mlx_lm format).
+    #[arg(long)]
+    model_dir: PathBuf,
+    /// The id clients name in `model`; default: the folder's name.
+    #[arg(long)]
+    model_id: Option<String>,
+    /// Address to listen on (127.0.0.1 by default: nothing outside this
+    /// machine reaches it).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port; 0 picks a free one (the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Where the weights live; default: chosen from the model's size and
+    /// the memory limit.
+    #[arg(long, value_enum)]
+    memory: Option<Memory>,
+    /// How quantized weights are held; default: the faster for the device.
+    #[arg(long, value_enum)]
+    quantized: Option<Quantized>,
+    /// Rows decoded together at most.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Requests that may wait for a slot; one more gets a 429.
+    #[arg(long, default_value_t = mlx_engine::DEFAULT_MAX_QUEUE)]
+    max_queue: usize,
+    /// MiB of shared prefixes' caches kept for later requests.
+    #[arg(long, default_value_t = 256)]
+    prefix_store_mb: usize,
+    /// `max_tokens` of a request that gives none.
+    #[arg(long, default_value_t = 512)]
+    default_max_tokens: usize,
+    /// Seconds a request may take.
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Seconds running requests get after SIGTERM or SIGINT.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_grace: f64,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "mlx_serve=info,mlx_engine=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mlx-serve: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let model_id = args.model_id.clone().unwrap_or_else(|| {
+        args.model_dir
+            .file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let mut config = EngineConfig::new(&args.model_dir)
+        .batch_size(args.batch_size)
+        .max_queue(args.max_queue)
+        .prefix_store_bytes(args.prefix_store_mb << 20)
+        .worker_name("mlx-serve-engine");
+    if let Some(memory) = args.memory {
+        config = config.memory(match memory {
+            Memory::Resident => MemoryMode::Resident,
+            Memory::Mapped => MemoryMode::MappedTables,
+            Memory::Streamed => MemoryMode::Streamed,
+        });
+    }
+    if let Some(quantized) = args.quantized {
+        config = config.quantized(match quantized {
+            Quantized::Keep => QuantizedWeights::Keep,
+            Quantized::Dequantize => QuantizedWeights::DequantizeOnUse,
+        });
+    }
+    let engine = Arc::new(MlxEngine::new(config)?);
+    engine
+        .ensure_loaded()
+        .with_context(|| format!("loading {}", args.model_dir.display()))?;
+    let settings = mlx_serve::Settings::new(model_id.clone())
+        .default_max_tokens(args.default_max_tokens)
+        .request_timeout(Duration::from_secs_f64(args.request_timeout))
+        .shutdown_grace(Duration::from_secs_f64(args.shutdown_grace));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+            .parse()
+            .with_context(|| format!("--host {} --port {}", args.host, args.port))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let bound = listener.local_addr()?;
+        // One line on stdout that scripts and tests wait for.
+        println!("mlx-serve: serving {model_id} on http://{bound}/v1");
+        mlx_serve::serve(listener, engine, settings, shutdown_signal()).await
+    })
+}
+
+/// SIGTERM or SIGINT (Ctrl-C).
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = interrupt.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}
