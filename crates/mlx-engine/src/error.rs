@@ -73,6 +73,9 @@ pub enum Error {
     /// processor that wrote NaN).
     #[error("the model produced NaN logits: its weights hold NaN or infinite values, or the logits processor wrote NaN")]
     NotFiniteLogits,
+    /// The grammar engine refused a step of a constrained row.
+    #[error("structured output failed: {0}")]
+    Constraint(String),
     /// A lane lost the thread that applies the logits processor (it
     /// stopped on another chunk's error).
     #[error("the generation stopped while a chunk waited for its tokens to be picked")]
@@ -167,6 +170,15 @@ pub enum EngineError {
     /// A request's deadline passed before it was done.
     #[error("the request's deadline passed before it was done")]
     DeadlineExceeded,
+    /// A structured-output schema the grammar engine cannot enforce (a
+    /// keyword it does not implement, an unsatisfiable schema), in its
+    /// words; or a tokenizer whose vocabulary it cannot read.
+    #[error("the response schema cannot be enforced: {0}")]
+    UnsupportedSchema(String),
+    /// `max_tokens` is below the fewest tokens any answer under the
+    /// request's schema needs: every answer would be cut short.
+    #[error("max_tokens {max_tokens} is too few: the shortest answer under this schema is {needed} tokens")]
+    MaxTokensTooSmall { max_tokens: usize, needed: String },
     /// A request that cannot be served as asked (e.g. `max_tokens` 0).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -136,8 +136,8 @@ pub use runtime::options::{
     DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_PEER_TIMEOUT, DEFAULT_PREFIX_STORE_BYTES,
 };
 pub use runtime::serving::{
-    Completion, CompletionStream, CompletionText, Finish, FinishReason, Sampling, ServingMetrics,
-    StreamEvent, TokenLogprob,
+    Completion, CompletionStream, CompletionText, Constraint, Finish, FinishReason, Sampling,
+    ServingMetrics, StreamEvent, TokenLogprob,
 };
 pub use tokenizer::{Message, SpecialTokens, Tokenizer};
 pub use weights::kernels::Kernels;

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use mlx_engine::{
-    Completion, CompletionStream, Finish, FinishReason, Message, Sampling, StreamEvent,
+    Completion, CompletionStream, Constraint, Finish, FinishReason, Message, Sampling, StreamEvent,
     TokenLogprob,
 };
 
@@ -123,17 +123,32 @@ fn check(state: &AppState, r: ChatRequest) -> Result<(Completion, Asked), ApiErr
     if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid("tools", "tools are not supported"));
     }
-    if let Some(format) = &r.response_format {
-        if format.kind != "text" {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!(
-                    "response_format of type '{}' is not supported yet",
-                    format.kind
-                ),
-            ));
-        }
-    }
+    let constraint = match r.response_format {
+        None => None,
+        Some(format) => match format.kind.as_str() {
+            "text" => None,
+            "json_object" => Some(Constraint::JsonObject),
+            "json_schema" => {
+                let schema = format
+                    .json_schema
+                    .and_then(|j| j.schema)
+                    .filter(serde_json::Value::is_object)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "response_format.json_schema.schema",
+                            "a json_schema response format needs a schema object",
+                        )
+                    })?;
+                Some(Constraint::JsonSchema(schema))
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    format!("response_format of type '{other}' is not supported"),
+                ))
+            }
+        },
+    };
     let max_tokens = r
         .max_completion_tokens
         .or(r.max_tokens)
@@ -211,6 +226,9 @@ fn check(state: &AppState, r: ChatRequest) -> Result<(Completion, Asked), ApiErr
         .deadline(Instant::now() + state.request_timeout);
     if logprobs {
         completion = completion.logprobs(top as usize);
+    }
+    if let Some(constraint) = constraint {
+        completion = completion.constraint(constraint);
     }
     let stream = r.stream.unwrap_or(false);
     let asked = Asked {

@@ -61,6 +61,18 @@ impl ApiError {
                 Some("messages"),
                 Some("context_length_exceeded"),
             ),
+            EngineError::MaxTokensTooSmall { .. } => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("max_tokens"),
+                Some("max_tokens_too_small"),
+            ),
+            EngineError::UnsupportedSchema(_) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("response_format"),
+                Some("unsupported_schema"),
+            ),
             EngineError::InvalidRequest(_) => {
                 (StatusCode::BAD_REQUEST, "invalid_request_error", None, None)
             }

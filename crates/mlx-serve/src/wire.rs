@@ -83,6 +83,16 @@ pub struct StreamOptions {
 pub struct ResponseFormat {
     #[serde(rename = "type")]
     pub kind: String,
+    #[serde(default)]
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `response_format.json_schema`: its schema. `name` and `strict` need no
+/// action: every schema is enforced.
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    #[serde(default)]
+    pub schema: Option<Value>,
 }
 
 /// OpenAI's error object, `{"error": {...}}`.

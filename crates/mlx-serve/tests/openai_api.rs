@@ -479,3 +479,118 @@ fn sigterm_lets_a_running_request_finish_then_the_server_exits() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn structured_outputs_always_parse_and_unsupported_schemas_are_named() {
+    let Some(model) = smollm2("structured_outputs_always_parse") else {
+        return;
+    };
+    let server = Server::start(&model, &["--batch-size", "4"]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+            "sentiment": {"enum": ["positive", "negative", "mixed"]},
+            "summary": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}}
+        },
+        "required": ["rating", "sentiment", "summary", "tags"],
+        "additionalProperties": false
+    });
+    let format = json!({"type": "json_schema", "json_schema": {"name": "review", "strict": true, "schema": schema}});
+    let reviews = [
+        "Great blender, crushed ice in seconds.",
+        "Broke after two days. Never again.",
+        "It is fine, nothing special.",
+        "The lid leaks but the motor is strong.",
+    ];
+    // Budgets too small for what the model would write: the answer is
+    // closed in time, and parses, greedy and sampled.
+    let answers: Vec<(u32, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = reviews
+            .iter()
+            .enumerate()
+            .map(|(i, review)| {
+                let (server, format) = (&server, &format);
+                scope.spawn(move || {
+                    let max_tokens = [31u32, 34, 40, 60][i];
+                    let body = chat(
+                        &[("user", &format!("Rate this review as JSON: {review}"))],
+                        json!({"max_tokens": max_tokens, "response_format": format,
+                               "temperature": if i % 2 == 0 { 0.0 } else { 1.0 }, "seed": i}),
+                    );
+                    let (status, body) = server.post("/v1/chat/completions", &body);
+                    assert_eq!(status, 200, "{body}");
+                    (max_tokens, parse(&body))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (max_tokens, whole) in answers {
+        let content = whole["choices"][0]["message"]["content"].as_str().unwrap();
+        let answer: Value = serde_json::from_str(content)
+            .unwrap_or_else(|e| panic!("{content:?} does not parse: {e}"));
+        let rating = answer["rating"].as_i64().unwrap();
+        assert!((1..=5).contains(&rating), "{answer}");
+        assert!(["positive", "negative", "mixed"].contains(&answer["sentiment"].as_str().unwrap()));
+        assert!(
+            answer["summary"].is_string() && answer["tags"].is_array(),
+            "{answer}"
+        );
+        assert_eq!(answer.as_object().unwrap().len(), 4, "{answer}");
+        let used = whole["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(used <= u64::from(max_tokens), "{used} > {max_tokens}");
+        assert_eq!(whole["choices"][0]["finish_reason"], "stop", "{whole}");
+    }
+    // A budget below the shortest answer is refused, naming max_tokens.
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &chat(
+            &[("user", "x")],
+            json!({"max_tokens": 8, "response_format": format}),
+        ),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(parse(&body)["error"]["param"], "max_tokens", "{body}");
+    // Any JSON object.
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &chat(
+            &[("user", "Describe Paris.")],
+            json!({"max_tokens": 16, "response_format": {"type": "json_object"}}),
+        ),
+    );
+    assert_eq!(status, 200, "{body}");
+    let content = parse(&body)["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(parse(&content).is_object(), "{content}");
+    // What the grammar engine cannot enforce is refused by name.
+    let unsupported = json!({"type": "json_schema", "json_schema": {"schema": {"type": "object", "not": {"required": ["a"]}}}});
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &chat(&[("user", "x")], json!({"response_format": unsupported})),
+    );
+    assert_eq!(status, 400, "{body}");
+    let error = &parse(&body)["error"];
+    assert_eq!(error["param"], "response_format");
+    assert!(error["message"].as_str().unwrap().contains("not"), "{body}");
+    assert_bad(
+        &server,
+        &chat(
+            &[("user", "x")],
+            json!({"response_format": {"type": "json_schema"}}),
+        ),
+        "response_format.json_schema.schema",
+    );
+    assert_bad(
+        &server,
+        &chat(
+            &[("user", "x")],
+            json!({"response_format": {"type": "yaml"}}),
+        ),
+        "response_format.type",
+    );
+}

@@ -18,6 +18,7 @@ use crate::error::{panic_message, EngineError};
 use crate::models::{MemoryMode, Model, QuantizedWeights};
 use crate::runtime::generate::{generate_batch, GenSettings, GenState, Generation};
 use crate::runtime::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
+use crate::runtime::serving::grammar::Grammars;
 use crate::runtime::serving::scheduler::{Scheduler, SchedulerSettings};
 use crate::runtime::serving::{
     Completion, CompletionStream, Counters, Pending, ServingMetrics, SharedCounters, StreamEvent,
@@ -78,7 +79,7 @@ type Job = Box<dyn FnOnce(Result<&mut Worker, &EngineError>) + Send>;
 
 enum Command {
     Run(Job),
-    Serve(Pending),
+    Serve(Box<Pending>),
     Close,
 }
 
@@ -135,6 +136,8 @@ pub struct MlxEngine {
     counters: SharedCounters,
     /// Serving requests that may wait.
     max_queue: usize,
+    /// Structured outputs' grammar factory, once the model is loaded.
+    grammars: Arc<OnceLock<Grammars>>,
 }
 
 impl MlxEngine {
@@ -153,12 +156,15 @@ impl MlxEngine {
         let counters: SharedCounters = Arc::new(Counters::default());
         let worker_counters = counters.clone();
         let max_queue = config.max_queue;
+        let grammars = Arc::new(OnceLock::new());
+        let worker_grammars = grammars.clone();
         let handle = std::thread::Builder::new()
             .name(config.worker_name.clone())
             .spawn(move || {
-                let mut worker =
-                    catch_unwind(AssertUnwindSafe(|| load(config, worker_counters.clone())))
-                        .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
+                let mut worker = catch_unwind(AssertUnwindSafe(|| {
+                    load(config, worker_counters.clone(), &worker_grammars)
+                }))
+                .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
                 let _ = load_result.set(worker.as_ref().map(|_| ()).map_err(Clone::clone));
                 serve(&rx, &mut worker, &worker_counters);
             })
@@ -170,6 +176,7 @@ impl MlxEngine {
             peer_timeout,
             counters,
             max_queue,
+            grammars,
         })
     }
 
@@ -311,6 +318,30 @@ impl MlxEngine {
                 "max_tokens must be at least 1".into(),
             ));
         }
+        // Compiled here, so that a schema it cannot enforce is refused at
+        // once, and off the worker, which is decoding the other rows.
+        let matcher = match &completion.constraint {
+            None => None,
+            Some(constraint) => {
+                self.ensure_loaded()?;
+                let grammars = self.grammars.get().ok_or(EngineError::Closed)?;
+                let mut grammar = grammars.matcher(constraint)?;
+                // Refused now rather than answered with JSON cut short.
+                let max_tokens = completion.max_tokens;
+                let shortest = grammar
+                    .shortest_answer(max_tokens)
+                    .map_err(|e| EngineError::UnsupportedSchema(e.to_string()))?;
+                if shortest.is_none() {
+                    let needed = grammar
+                        .shortest_answer(8 * max_tokens + 256)
+                        .ok()
+                        .flatten()
+                        .map_or_else(|| "longer than that".into(), |n| n.to_string());
+                    return Err(EngineError::MaxTokensTooSmall { max_tokens, needed });
+                }
+                Some(grammar)
+            }
+        };
         let limit = self.max_queue;
         self.counters
             .waiting
@@ -319,7 +350,11 @@ impl MlxEngine {
             })
             .map_err(|_| EngineError::QueueFull { limit })?;
         let (events, rx) = tokio::sync::mpsc::unbounded_channel();
-        let command = Command::Serve(Pending { completion, events });
+        let command = Command::Serve(Box::new(Pending {
+            completion,
+            matcher,
+            events,
+        }));
         let sent = self
             .running
             .lock()
@@ -392,7 +427,7 @@ fn serve(
             match command {
                 Command::Run(job) => job(worker.as_mut().map_err(|e| &*e)),
                 Command::Serve(pending) => match worker.as_mut() {
-                    Ok(w) => w.serving.enqueue(pending),
+                    Ok(w) => w.serving.enqueue(*pending),
                     Err(e) => {
                         counters.waiting.fetch_sub(1, Ordering::SeqCst);
                         let _ = pending.events.send(StreamEvent::Failed(e.clone()));
@@ -415,7 +450,11 @@ fn serve(
     }
 }
 
-fn load(config: EngineConfig, counters: SharedCounters) -> Result<Worker, EngineError> {
+fn load(
+    config: EngineConfig,
+    counters: SharedCounters,
+    grammars: &OnceLock<Grammars>,
+) -> Result<Worker, EngineError> {
     let _span = tracing::info_span!("load", model_dir = %config.model_dir.display()).entered();
     let err = |e: crate::Error| EngineError::Load(Arc::new(e));
     let device = mlx_support::best_device();
@@ -485,6 +524,11 @@ fn load(config: EngineConfig, counters: SharedCounters) -> Result<Worker, Engine
         placement: config.placement.clone(),
     };
     let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
+    let _ = grammars.set(Grammars::new(
+        config.model_dir.join("tokenizer.json"),
+        model.config().vocab_size,
+        tokenizer.eos_ids().iter().copied().collect(),
+    ));
     let serving = Scheduler::new(
         SchedulerSettings {
             batch_size: config.batch_size,

@@ -16,6 +16,7 @@
 //! greedy (the argmax, the first one on ties, as MLX's), or with a
 //! temperature, nucleus (`top_p`) and a seed of the request's own.
 
+pub(crate) mod grammar;
 pub(crate) mod prefix_store;
 pub(crate) mod sampling;
 pub(crate) mod scheduler;
@@ -26,6 +27,8 @@ use std::sync::Arc;
 
 use crate::error::EngineError;
 use crate::tokenizer::Message;
+
+pub use grammar::Constraint;
 
 /// How a row picks each next token.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,6 +112,9 @@ pub struct Completion {
     /// A request still running then ends with
     /// [`EngineError::DeadlineExceeded`].
     pub deadline: Option<std::time::Instant>,
+    /// What the answer must be (JSON under a schema); every token is
+    /// picked among those that keep it so.
+    pub constraint: Option<Constraint>,
 }
 
 impl Completion {
@@ -121,6 +127,7 @@ impl Completion {
             logprobs: None,
             stop: Vec::new(),
             deadline: None,
+            constraint: None,
         }
     }
 
@@ -145,6 +152,12 @@ impl Completion {
     /// Stop strings.
     pub fn stop(mut self, stop: Vec<String>) -> Completion {
         self.stop = stop;
+        self
+    }
+
+    /// Holds the answer to `constraint`.
+    pub fn constraint(mut self, constraint: Constraint) -> Completion {
+        self.constraint = Some(constraint);
         self
     }
 
@@ -340,6 +353,8 @@ impl Counters {
 #[derive(Debug)]
 pub(crate) struct Pending {
     pub completion: Completion,
+    /// The completion's constraint, compiled on the caller's thread.
+    pub matcher: Option<grammar::RowGrammar>,
     pub events: tokio::sync::mpsc::UnboundedSender<StreamEvent>,
 }
 

@@ -13,6 +13,7 @@ use crate::evaluation::{evaluate, Why};
 use crate::models::Model;
 use crate::nn::cache::KvCache;
 use crate::runtime::prefill::{prefill_groups, prefill_into};
+use crate::runtime::serving::grammar::RowGrammar;
 use crate::runtime::serving::prefix_store::{Found, PrefixStore};
 use crate::runtime::serving::sampling::{Picked, Sampler};
 use crate::runtime::serving::text::RowText;
@@ -47,6 +48,8 @@ struct Row {
     cached_tokens: usize,
     /// The token picked last, which the next step feeds.
     next: u32,
+    /// The row's structured-output constraint, if any.
+    matcher: Option<RowGrammar>,
 }
 
 /// Rows that share one prefix's cache, decoded as one batch.
@@ -183,6 +186,7 @@ impl Scheduler {
             }
             match self.tokenize(model, tokenizer, &pending) {
                 Ok((prefix, suffix, prompt_tokens)) => {
+                    let matcher = pending.matcher;
                     let c = pending.completion;
                     let row = Row {
                         events: pending.events,
@@ -195,6 +199,7 @@ impl Scheduler {
                         prompt_tokens,
                         cached_tokens: prefix.len,
                         next: 0,
+                        matcher,
                     };
                     admitted.push(Admitted {
                         row,
@@ -369,6 +374,7 @@ fn placeholder_row() -> Row {
         prompt_tokens: 0,
         cached_tokens: 0,
         next: 0,
+        matcher: None,
     }
 }
 
@@ -460,10 +466,23 @@ fn emit(
     eos: &[u32],
     counters: &SharedCounters,
 ) -> crate::Result<bool> {
+    let masked;
+    let logits = match &mut row.matcher {
+        Some(grammar) => {
+            masked = grammar.mask(logits, row.max_tokens - row.generated.len())?;
+            masked.as_slice()
+        }
+        None => logits,
+    };
     let Picked { id, logprob, top } = row
         .sampler
         .pick(logits, row.logprobs)
         .ok_or(crate::Error::NotFiniteLogits)?;
+    if let Some(grammar) = &mut row.matcher {
+        if !eos.contains(&id) {
+            grammar.consume(id)?;
+        }
+    }
     let finish = |row: &Row, reason| {
         StreamEvent::Finished(Finish {
             reason,
@@ -483,7 +502,9 @@ fn emit(
     }
     row.generated.push(id);
     counters.generated_tokens.fetch_add(1, Ordering::Relaxed);
-    let last = row.generated.len() >= row.max_tokens;
+    // A constraint that is met (the JSON closed) ends the row as EOS would.
+    let complete = row.matcher.as_ref().is_some_and(RowGrammar::is_complete);
+    let last = row.generated.len() >= row.max_tokens || complete;
     let whole = tokenizer.decode(&row.generated)?;
     let settled = row.text.advance(&whole, last);
     let logprobs = match logprob {
@@ -511,7 +532,7 @@ fn emit(
     if sent.is_err() {
         return Ok(false);
     }
-    let reason = if settled.stopped {
+    let reason = if settled.stopped || complete {
         FinishReason::Stop
     } else if last {
         FinishReason::Length
