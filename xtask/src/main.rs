@@ -3,6 +3,7 @@
 //! - `demo [ARGS]`: the main job (the README's first command).
 //! - `test`: every check and test (the README's second command, and CI's).
 //! - `bench`: benchmarks.
+//! - `serve`: the OpenAI-compatible server on a model folder.
 //! - `encode-adapter`, `decode-adapter`, `adapter-info`: the adapter codec.
 //! - `fixtures`, `import-gguf`: the real model (SmolLM2) for tests and demo.
 //! - `release --dry-run`, `release VERSION`: release checks and version bumps.
@@ -19,6 +20,7 @@ mod memory_limit;
 mod prereqs;
 mod python_face;
 mod release;
+mod serve;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -179,6 +181,9 @@ enum Bench {
     /// The Python face: cc-sentiment's classification through it and
     /// through spawnllm + mlx_lm; what a Python logits processor costs.
     PythonFace,
+    /// The OpenAI-compatible server against mlx_lm.server: aggregate
+    /// tokens/s and time to first token at several client counts.
+    Serve,
 }
 
 fn main() -> std::process::ExitCode {
@@ -240,33 +245,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Serve { model_dir, args } => {
             prereqs::ensure()?;
             fast_blas();
-            let model_dir = match model_dir {
-                Some(dir) => here(&dir),
-                None => fixtures::ensure()?.join("f32"),
-            };
-            let mut cargo = Command::new(cargo_bin());
-            cargo
-                .args(["run", "--quiet", "--release", "-p", "mlx-serve", "--"])
-                .arg("--model-dir")
-                .arg(&model_dir)
-                .args(&args);
-            // As for `launch`: this process becomes the server (through
-            // cargo), so that SIGTERM and Ctrl-C reach it and it shuts
-            // down gracefully.
-            #[cfg(unix)]
-            {
-                use std::os::unix::process::CommandExt;
-                let err = cargo.exec();
-                Err(err).context("running cargo run -p mlx-serve")
-            }
-            #[cfg(not(unix))]
-            {
-                let status = cargo.status()?;
-                if !status.success() {
-                    bail!("the server failed ({status})");
-                }
-                Ok(())
-            }
+            serve::run(model_dir.as_deref().map(here), &args)
         }
         Cmd::Launch {
             hosts,
@@ -472,6 +451,9 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
         python_face::build_and_install(&face, &[&face])?;
         python_face::bench(&face, &fixtures::ensure()?, if all { &[] } else { args })?;
     }
+    if all || which == Bench::Serve {
+        serve::bench(if all { &[] } else { args })?;
+    }
     if all || which == Bench::Arithmetic {
         cargo(
             &[
@@ -673,9 +655,14 @@ fn examples() -> Result<()> {
                 "answer",
                 vec![dir.join("f32").display().to_string()],
             ));
+            runs.push((
+                "mlx-serve",
+                "ask",
+                vec![dir.join("f32").display().to_string()],
+            ));
         }
         None => eprintln!(
-            "xtask: SKIP examples st-mmap/inspect and mlx-engine/answer: no SmolLM2 fixture"
+            "xtask: SKIP examples st-mmap/inspect, mlx-engine/answer and mlx-serve/ask: no SmolLM2 fixture"
         ),
     }
     for (package, example, args) in runs {

@@ -304,6 +304,34 @@ impl MlxEngine {
     /// runs in one process), [`EngineError::Closed`] after `close`. Errors
     /// of the request itself (its prompt too long, a failed forward) come
     /// as the stream's [`StreamEvent::Failed`].
+    ///
+    /// ```
+    /// use mlx_engine::{Completion, EngineConfig, Message, MlxEngine, StreamEvent};
+    ///
+    /// # fn main() -> Result<(), mlx_engine::EngineError> {
+    /// # let Some(fixture) = std::env::var_os("MLX_LOWMEM_SMOLLM2") else {
+    /// #     eprintln!("SKIP: MLX_LOWMEM_SMOLLM2 is not set (cargo xtask fixtures)");
+    /// #     return Ok(());
+    /// # };
+    /// # let model_dir = std::path::Path::new(&fixture).join("f32");
+    /// let engine = MlxEngine::new(EngineConfig::new(model_dir).batch_size(8))?;
+    /// let question = vec![Message::new("user", "What is the capital of France?")];
+    /// let mut stream = engine.complete(Completion::new(question).max_tokens(12))?;
+    /// let mut text = String::new();
+    /// while let Some(event) = stream.blocking_next() {
+    ///     match event {
+    ///         StreamEvent::Token { text: piece, .. } | StreamEvent::Text(piece) => {
+    ///             text.push_str(&piece)
+    ///         }
+    ///         StreamEvent::Finished(_) => break,
+    ///         StreamEvent::Failed(e) => return Err(e),
+    ///         _ => {}
+    ///     }
+    /// }
+    /// assert!(text.contains("Paris"), "{text}");
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn complete(&self, completion: Completion) -> Result<CompletionStream, EngineError> {
         if self.peer_timeout.is_some() {
             return Err(EngineError::InvalidConfig(
