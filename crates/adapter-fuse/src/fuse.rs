@@ -336,7 +336,7 @@ pub(crate) fn fuse_model(
     let out_config = out.join("config.json");
     fs::write(
         &out_config,
-        serde_json::to_vec_pretty(&config).expect("json"),
+        serde_json::to_vec_pretty(&st_mmap::json::sorted(&config)).expect("json"),
     )
     .map_err(io(&out_config))?;
     copy_other_files(base_dir, out)?;

@@ -49,10 +49,9 @@ pub(crate) fn save_weights(
 }
 
 pub(crate) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
-    std::fs::write(path, serde_json::to_vec_pretty(value).expect("json")).map_err(|source| {
-        Error::Io {
-            path: path.to_path_buf(),
-            source,
-        }
+    let text = serde_json::to_vec_pretty(&st_mmap::json::sorted(value)).expect("json");
+    std::fs::write(path, text).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
     })
 }

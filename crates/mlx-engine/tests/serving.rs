@@ -2,7 +2,11 @@
 //! a running batch and leave it, prefixes are shared, and every bad call
 //! is a typed error.
 
-use std::path::PathBuf;
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::tiny_gemma::{conversations, write_gemma3, write_gemma4, Layout};
 
 use mlx_engine::{
     Completion, EngineConfig, EngineError, FinishReason, Message, MlxEngine, StreamEvent,
@@ -184,4 +188,51 @@ fn bad_requests_overload_and_a_closed_engine_are_typed_errors() {
     let full = MlxEngine::new(EngineConfig::new(&model).max_queue(0)).unwrap();
     let err = full.complete(Completion::new(user("hi"))).unwrap_err();
     assert!(matches!(err, EngineError::QueueFull { limit: 0 }), "{err}");
+}
+
+/// Gemma's sliding layers (a window of 5, far shorter than the prompts)
+/// and Gemma 4's KV-shared layers keep their positions right as rows join
+/// a running batch at different lengths and leave it: every row's tokens
+/// equal its tokens alone, and the shared system prompt is computed once.
+#[test]
+fn gemma_rows_joining_and_leaving_answer_as_alone_past_the_window() {
+    type Writer = fn(&Path);
+    let writers: [(&str, Writer); 2] = [
+        ("Gemma 3", |dir| write_gemma3(dir, Layout::Text)),
+        ("Gemma 4", |dir| write_gemma4(dir, Layout::Text, false)),
+    ];
+    for (what, write) in writers {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path());
+        let engine = MlxEngine::new(EngineConfig::new(dir.path()).batch_size(3)).unwrap();
+        let conversations = conversations();
+        let lengths: Vec<usize> = (0..conversations.len()).map(|i| 4 + 3 * i).collect();
+        let request = |i: usize| Completion::new(conversations[i].clone()).max_tokens(lengths[i]);
+        let alone: Vec<Vec<u32>> = (0..conversations.len())
+            .map(|i| {
+                engine
+                    .complete(request(i))
+                    .unwrap()
+                    .collect()
+                    .unwrap()
+                    .tokens
+            })
+            .collect();
+        let streams: Vec<_> = (0..conversations.len())
+            .map(|i| engine.complete(request(i)).unwrap())
+            .collect();
+        let together: Vec<Vec<u32>> = streams
+            .into_iter()
+            .map(|s| s.collect().unwrap().tokens)
+            .collect();
+        assert_eq!(together, alone, "{what}");
+        assert!(alone.iter().any(|t| t.len() > 5), "{what}: past the window");
+        let metrics = engine.serving_metrics();
+        assert_eq!(metrics.prefix_misses, 1, "{what}");
+        assert_eq!(
+            metrics.prefix_hits as usize,
+            2 * conversations.len() - 1,
+            "{what}"
+        );
+    }
 }

@@ -60,13 +60,14 @@ def wait_healthy(port, proc, timeout=600):
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited ({proc.returncode}) before answering")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
+        for path in ("/health", "/v1/models"):
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", path)
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
         time.sleep(0.5)
     raise RuntimeError("the server did not answer /health in time")
 
@@ -157,9 +158,9 @@ def peak_rss_mb(pid):
     return float("nan")
 
 
-def run_server(name, cmd, port, model, args):
+def run_server(name, cmd, port, model, args, env=None):
     print(f"== {name}: {' '.join(cmd)}", file=sys.stderr)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     rows = []
     try:
         wait_healthy(port, proc)
@@ -210,6 +211,10 @@ def main():
     p.add_argument("--model-dir", required=True)
     p.add_argument("--mlx-serve", required=True)
     p.add_argument("--mlx-lm-python")
+    p.add_argument("--mlx-lm-path", help="a folder put first on mlx_lm.server's PYTHONPATH "
+                   "(the interop venv keeps mlx_lm 0.32.2 in one)")
+    p.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python[server]")
+    p.add_argument("--gguf", help="the same model as GGUF, for llama.cpp's server")
     p.add_argument("--clients", default="1,2,8,32")
     p.add_argument("--chat-clients", default="1,2,8")
     p.add_argument("--chat-tokens", type=int, default=32)
@@ -231,7 +236,21 @@ def main():
         port = free_port()
         env_cmd = [args.mlx_lm_python, "-m", "mlx_lm.server", "--model", args.model_dir,
                    "--host", "127.0.0.1", "--port", str(port)]
-        rows += run_server("mlx_lm.server", env_cmd, port, args.model_dir, args)
+        env = dict(os.environ)
+        if args.mlx_lm_path:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in [args.mlx_lm_path, env.get("PYTHONPATH")] if p)
+        version = subprocess.run(
+            [args.mlx_lm_python, "-c", "import mlx_lm, mlx.core; print(mlx_lm.__version__, mlx.core.__version__)"],
+            env=env, capture_output=True, text=True).stdout.strip()
+        print(f"mlx_lm, mlx: {version}", file=sys.stderr)
+        rows += run_server(f"mlx_lm.server", env_cmd, port, args.model_dir, args, env)
+    if args.llama_cpp_python and args.gguf:
+        port = free_port()
+        cmd = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", args.gguf,
+               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
+               "--model_alias", "bench"]
+        rows += run_server("llama.cpp", cmd, port, "bench", args)
     print(f"{'server':<14} {'shape':<22} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'errors':>6} {'peak RSS':>9}")
     for r in rows:

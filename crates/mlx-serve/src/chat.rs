@@ -39,9 +39,11 @@ pub(crate) async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let request: ChatRequest = parse(&body)?;
     let (completion, asked) = check(&state, request)?;
-    let stream = state
-        .engine
-        .complete(completion)
+    // Off the async threads: compiling a response schema can take a while.
+    let engine = state.engine.clone();
+    let stream = tokio::task::spawn_blocking(move || engine.complete(completion))
+        .await
+        .map_err(|e| ApiError::from_engine(&mlx_engine::EngineError::Panicked(e.to_string())))?
         .map_err(|e| ApiError::from_engine(&e))?;
     let id = format!("chatcmpl-{}", state.next_id());
     let answer = Answer {

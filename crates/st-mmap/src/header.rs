@@ -177,6 +177,7 @@ impl Header {
                 }),
             );
         }
+        let json = crate::json::sorted(&serde_json::Value::Object(json));
         let mut text = serde_json::to_vec(&json).expect("a JSON map serializes");
         text.resize(text.len().next_multiple_of(8), b' ');
         let mut bytes = (text.len() as u64).to_le_bytes().to_vec();

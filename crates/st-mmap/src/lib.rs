@@ -45,6 +45,7 @@ mod error;
 mod file;
 mod header;
 mod index;
+pub mod json;
 mod set;
 
 pub use block::{BlockIndex, BlockPrefix};

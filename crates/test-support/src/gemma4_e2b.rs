@@ -370,7 +370,11 @@ impl Shard {
 /// Writes the checkpoint (config, shards, index) into `dir`.
 pub fn write(dir: &Path, base: &E2bBase) {
     std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("config.json"), config(base).to_string()).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        st_mmap::json::sorted(&config(base)).to_string(),
+    )
+    .unwrap();
     let depth = base.depth;
     let shards = 1 + (depth.layers + base.layers_per_shard - 1) / base.layers_per_shard;
     let name = |k: i32| format!("model-{:05}-of-{:05}.safetensors", k + 1, shards);
@@ -445,7 +449,7 @@ pub fn write(dir: &Path, base: &E2bBase) {
     let index = json!({"metadata": {}, "weight_map": weight_map});
     std::fs::write(
         dir.join("model.safetensors.index.json"),
-        serde_json::to_string_pretty(&index).unwrap(),
+        serde_json::to_string_pretty(&st_mmap::json::sorted(&index)).unwrap(),
     )
     .unwrap();
 }

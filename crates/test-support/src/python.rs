@@ -13,6 +13,12 @@ pub fn mlx_lm_python(test: &str) -> Option<String> {
 /// otherwise `None`, said on stderr as `test`'s reason to skip.
 pub fn python_with(test: &str, modules: &str) -> Option<String> {
     let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
+    imports(test, python, modules)
+}
+
+/// `python` if it imports `modules`; otherwise `None`, said on stderr as
+/// `test`'s reason to skip.
+fn imports(test: &str, python: String, modules: &str) -> Option<String> {
     let has = Command::new(&python)
         .args(["-c", &format!("import {modules}")])
         .output()
@@ -31,13 +37,5 @@ pub fn face_python_with(test: &str, modules: &str) -> Option<String> {
         eprintln!("SKIP {test}: MLX_LOWMEM_FACE_PYTHON is not set (cargo xtask test sets it)");
         return None;
     };
-    let python = python.to_string_lossy().into_owned();
-    let has = Command::new(&python)
-        .args(["-c", &format!("import {modules}")])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        eprintln!("SKIP {test}: {python} lacks {modules} (cargo xtask test provides it)");
-    }
-    has.then_some(python)
+    imports(test, python.to_string_lossy().into_owned(), modules)
 }

@@ -77,7 +77,11 @@ impl TinyLlama {
         if let (Some(config), Some(extra)) = (config.as_object_mut(), self.config.as_object()) {
             config.extend(extra.clone());
         }
-        std::fs::write(dir.join("config.json"), config.to_string()).expect("writing config.json");
+        std::fs::write(
+            dir.join("config.json"),
+            st_mmap::json::sorted(&config).to_string(),
+        )
+        .expect("writing config.json");
         let mut seed = self.seed;
         let mut w = |shape: &[i32], std: f32| {
             seed += 1;

@@ -179,7 +179,9 @@ fn this_workspace_has_complete_metadata_and_a_changelog() {
             // adapter-fuse reads its adapter with block-stream's type.
             "block-stream",
             "adapter-fuse",
-            "mlx-engine"
+            "mlx-engine",
+            // The server on the engine, published last.
+            "mlx-serve"
         ]
         .map(str::to_owned)
     );

@@ -240,17 +240,21 @@ impl MlxEngine {
                 .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
             let _ = reply_tx.send(result);
         }));
-        let sent = self
-            .running
-            .lock()
-            .expect("not poisoned")
-            .as_ref()
-            .is_some_and(|running| running.tx.send(command).is_ok());
-        if sent {
+        if self.post(command) {
             Reply(reply_rx)
         } else {
             Reply::ready(Err(EngineError::Closed))
         }
+    }
+
+    /// Puts `command` on the worker's queue; false once the engine is
+    /// closed.
+    fn post(&self, command: Command) -> bool {
+        self.running
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .is_some_and(|running| running.tx.send(command).is_ok())
     }
 
     /// Runs `job` on the worker with the model and tokenizer.
@@ -383,13 +387,7 @@ impl MlxEngine {
             matcher,
             events,
         }));
-        let sent = self
-            .running
-            .lock()
-            .expect("not poisoned")
-            .as_ref()
-            .is_some_and(|running| running.tx.send(command).is_ok());
-        if !sent {
+        if !self.post(command) {
             self.counters.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(EngineError::Closed);
         }

@@ -45,7 +45,7 @@ pub fn write_f32(family: &str, dir: &Path) {
     let path = dir.join("tokenizer_config.json");
     let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     config["tokenizer_class"] = "PreTrainedTokenizerFast".into();
-    std::fs::write(&path, config.to_string()).unwrap();
+    std::fs::write(&path, st_mmap::json::sorted(&config).to_string()).unwrap();
 }
 
 /// `src` converted by mlx_lm into `dst`: cast to `dtype` (bfloat16,

@@ -56,13 +56,21 @@ pub fn write_tokenizer(dir: &Path, words: impl IntoIterator<Item = String>) -> i
         "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
         "model": {"type": "WordLevel", "vocab": ids, "unk_token": "<unk>"}
     });
-    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        st_mmap::json::sorted(&tokenizer).to_string(),
+    )
+    .unwrap();
     let template = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }} {{ m.content }}<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}";
     let config = json!({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
         "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"
     });
-    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        st_mmap::json::sorted(&config).to_string(),
+    )
+    .unwrap();
     std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 1}"#).unwrap();
     vocab.len() as i32
 }

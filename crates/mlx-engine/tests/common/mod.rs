@@ -68,12 +68,16 @@ pub fn write_tokenizer(dir: &Path, special_markers: bool) {
         "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
     });
-    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        st_mmap::json::sorted(&tokenizer).to_string(),
+    )
+    .unwrap();
     let template = "{% for m in messages %}{% if m.role == 'system' %}<s> {% elif m.role == 'user' %}<u> {% else %}<a> {% endif %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}<a> {% endif %}";
     let tokenizer_config = serde_json::json!({"chat_template": template, "eos_token": "<eos>"});
     std::fs::write(
         dir.join("tokenizer_config.json"),
-        tokenizer_config.to_string(),
+        st_mmap::json::sorted(&tokenizer_config).to_string(),
     )
     .unwrap();
 }

@@ -270,7 +270,11 @@ pub fn write_gemma4_with(
             "vision_config": {"hidden_size": 8}, "quantization": quantization, "eos_token_id": 44
         }),
     };
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        st_mmap::json::sorted(&config).to_string(),
+    )
+    .unwrap();
     if layout != Layout::Text {
         let tower = if layout == Layout::Mlx { "" } else { "model." };
         legacy.push((
@@ -342,7 +346,11 @@ pub fn write_gemma3(dir: &Path, layout: Layout) {
             json!({"model_type": "gemma3", "text_config": text, "vocab_size": VOCAB, "eos_token_id": 44})
         }
     };
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        st_mmap::json::sorted(&config).to_string(),
+    )
+    .unwrap();
     let towers = if layout == Layout::Text {
         Vec::new()
     } else {

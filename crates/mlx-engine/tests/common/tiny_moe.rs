@@ -122,7 +122,11 @@ fn write(dir: &Path, quantized: bool, mixtral: bool) {
         }
         config["quantization"] = q;
     }
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        st_mmap::json::sorted(&config).to_string(),
+    )
+    .unwrap();
     Array::save_safetensors(
         weights.iter().map(|(k, v)| (k.as_str(), v)),
         None,

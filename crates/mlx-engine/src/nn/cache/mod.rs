@@ -240,14 +240,19 @@ impl KvCache {
     /// Computes every array this cache holds, so that other threads can
     /// read it (MLX evaluates a lazy array on the stream that made it).
     pub(crate) fn evaluate(&self) -> Result<()> {
+        evaluate(Why::Step, self.arrays())?;
+        Ok(())
+    }
+
+    /// Every key and value array this cache holds, shared and owned.
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
         let shared = self.shared.iter().flatten().flat_map(|(k, v)| [k, v]);
         let owned = self
             .owned
             .iter()
             .flatten()
             .flat_map(|o| [&o.keys, &o.values]);
-        evaluate(Why::Step, shared.chain(owned))?;
-        Ok(())
+        shared.chain(owned)
     }
 
     /// Stacks caches forked from the same one along the batch axis, with
@@ -374,13 +379,7 @@ impl KvCache {
 
     /// Bytes of keys and values this cache holds (capacity included).
     pub(crate) fn nbytes(&self) -> usize {
-        let shared = self.shared.iter().flatten().flat_map(|(k, v)| [k, v]);
-        let owned = self
-            .owned
-            .iter()
-            .flatten()
-            .flat_map(|o| [&o.keys, &o.values]);
-        shared.chain(owned).map(Array::nbytes).sum()
+        self.arrays().map(Array::nbytes).sum()
     }
 
     /// Layer `layer`'s shared keys and values, `(kv_heads, kept, head_dim)`.
