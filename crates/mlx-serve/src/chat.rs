@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
@@ -35,8 +36,17 @@ struct Asked {
 
 pub(crate) async fn chat_completions(
     State(state): State<Arc<AppState>>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    // A body too big (or cut off) is an error object like any other.
+    let body = body.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        message: rejection.body_text(),
+        kind: "invalid_request_error",
+        param: Some("body".into()),
+        code: None,
+        retry_after: None,
+    })?;
     let request: ChatRequest = parse(&body)?;
     let (completion, asked) = check(&state, request)?;
     // Off the async threads: compiling a response schema can take a while.

@@ -185,6 +185,11 @@ fn the_server_answers_as_openai_documents_and_names_bad_fields() {
     let (status, body) = server.get("/v1/nothing");
     assert_eq!(status, 404);
     assert_eq!(parse(&body)["error"]["code"], "not_found");
+    // A body past the server's limit (2 MB) is an error object too.
+    let huge = chat(&[("user", &"x".repeat(3 << 20))], json!({}));
+    let (status, body) = server.post("/v1/chat/completions", &huge);
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(parse(&body)["error"]["param"], "body");
     // Unknown fields are ignored, as OpenAI does.
     let (status, _) = server.post(
         "/v1/chat/completions",
@@ -593,4 +598,36 @@ fn structured_outputs_always_parse_and_unsupported_schemas_are_named() {
         ),
         "response_format.type",
     );
+}
+
+#[test]
+fn a_request_past_its_deadline_is_a_504() {
+    let Some(model) = smollm2("a_request_past_its_deadline_is_a_504") else {
+        return;
+    };
+    let server = Server::start(&model, &["--request-timeout", "0.3"]);
+    let body = chat(
+        &[("user", "Count to a thousand.")],
+        json!({"max_tokens": 400}),
+    );
+    let (status, body) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(parse(&body)["error"]["code"], "deadline_exceeded");
+    // Streamed: the error object in the stream, then [DONE].
+    let body = chat(
+        &[("user", "Count to a thousand.")],
+        json!({"max_tokens": 400, "stream": true}),
+    );
+    let (status, body) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200);
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    assert!(body.contains("deadline_exceeded"), "{body}");
+    // The rows are gone: nothing runs (the counters are published at the
+    // end of the step that took them out).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.metric("mlx_serve_running_rows") != 0.0 {
+        assert!(Instant::now() < deadline, "a row still runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
