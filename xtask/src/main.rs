@@ -276,20 +276,7 @@ fn run(cli: Cli) -> Result<()> {
             // run` replaces itself with the program), so that a signal to
             // `cargo xtask launch` (timeout, a scheduler) reaches the
             // launcher, which passes it on to the ranks.
-            #[cfg(unix)]
-            {
-                use std::os::unix::process::CommandExt;
-                let err = cargo.exec();
-                Err(err).context("running cargo run -p mlx-support --bin mlx-launch")
-            }
-            #[cfg(not(unix))]
-            {
-                let status = cargo.status()?;
-                if !status.success() {
-                    bail!("the job failed ({status})");
-                }
-                Ok(())
-            }
+            become_program(cargo, "cargo run -p mlx-support --bin mlx-launch")
         }
         Cmd::MemoryLimit {
             model_dir,
@@ -689,6 +676,26 @@ fn examples() -> Result<()> {
         eprintln!("xtask: example {package}/{example}: {last}");
     }
     Ok(())
+}
+
+/// Replaces this process with `command` (on Unix), so that a signal to
+/// `cargo xtask …` (timeout, a scheduler, Ctrl-C) reaches the program it
+/// runs; elsewhere, runs it and reports its failure.
+fn become_program(mut command: Command, what: &str) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        let err = command.exec();
+        Err(err).with_context(|| format!("running {what}"))
+    }
+    #[cfg(not(unix))]
+    {
+        let status = command.status()?;
+        if !status.success() {
+            bail!("{what} failed ({status})");
+        }
+        Ok(())
+    }
 }
 
 fn has_nextest() -> bool {

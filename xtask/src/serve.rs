@@ -23,20 +23,7 @@ pub fn run(model_dir: Option<PathBuf>, args: &[String]) -> Result<()> {
         .arg("--model-dir")
         .arg(&model_dir)
         .args(args);
-    #[cfg(unix)]
-    {
-        use std::os::unix::process::CommandExt;
-        let err = cargo.exec();
-        Err(err).context("running cargo run -p mlx-serve")
-    }
-    #[cfg(not(unix))]
-    {
-        let status = cargo.status()?;
-        if !status.success() {
-            bail!("the server failed ({status})");
-        }
-        Ok(())
-    }
+    crate::become_program(cargo, "cargo run -p mlx-serve")
 }
 
 /// The packages `llama_cpp.server` imports besides llama-cpp-python (its

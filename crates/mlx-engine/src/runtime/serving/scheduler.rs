@@ -214,22 +214,24 @@ impl Scheduler {
         }
         // By prefix, then by length: neighbours prefill together.
         admitted.sort_by_key(|a| (a.prefix.id, a.suffix.len()));
-        let mut rest = admitted.as_mut_slice();
-        while !rest.is_empty() {
-            let id = rest[0].prefix.id;
-            let n = rest.iter().take_while(|a| a.prefix.id == id).count();
-            let (same, after) = rest.split_at_mut(n);
+        let mut rest = admitted.into_iter().peekable();
+        while let Some(id) = rest.peek().map(|a| a.prefix.id) {
+            let mut same: Vec<Admitted> = Vec::new();
+            while let Some(a) = rest.next_if(|a| a.prefix.id == id) {
+                same.push(a);
+            }
             let lengths: Vec<usize> = same.iter().map(|a| a.suffix.len()).collect();
+            let mut same = same.into_iter();
             for group in prefill_groups(&lengths, model.pass_cost_tokens()) {
-                let rows = &mut same[group];
+                let rows: Vec<Admitted> = same.by_ref().take(group.len()).collect();
+                let senders: Vec<_> = rows.iter().map(|a| a.row.events.clone()).collect();
                 if let Err(e) = self.prefill(model, tokenizer, eos, rows) {
                     let error = EngineError::Generate(std::sync::Arc::new(e));
-                    for a in rows.iter() {
-                        let _ = a.row.events.send(StreamEvent::Failed(error.clone()));
+                    for events in senders {
+                        let _ = events.send(StreamEvent::Failed(error.clone()));
                     }
                 }
             }
-            rest = after;
         }
     }
 
@@ -307,7 +309,7 @@ impl Scheduler {
         model: &Model,
         tokenizer: &Tokenizer,
         eos: &[u32],
-        group: &mut [Admitted],
+        group: Vec<Admitted>,
     ) -> crate::Result<()> {
         let prefix = group[0].prefix.clone();
         let mut cache = prefix.cache.fork(group.len() as i32)?;
@@ -317,9 +319,8 @@ impl Scheduler {
         let vocab = logits.len() / group.len();
         let mut keep = Vec::new();
         let mut joining = Vec::new();
-        for (i, admitted) in group.iter_mut().enumerate() {
-            // Moved out; the placeholder's sender is closed and unused.
-            let mut row = std::mem::replace(&mut admitted.row, placeholder_row());
+        for (i, admitted) in group.into_iter().enumerate() {
+            let mut row = admitted.row;
             let row_logits = &logits[i * vocab..(i + 1) * vocab];
             if emit(&mut row, row_logits, tokenizer, eos, &self.counters)? {
                 keep.push(i);
@@ -358,24 +359,6 @@ fn shared_messages(messages: &[Message]) -> Option<&[Message]> {
 
 fn past(deadline: Option<Instant>) -> bool {
     deadline.is_some_and(|d| Instant::now() >= d)
-}
-
-/// A row standing in for one moved out of an admitted request.
-fn placeholder_row() -> Row {
-    let (events, _) = tokio::sync::mpsc::unbounded_channel();
-    Row {
-        events,
-        sampler: Sampler::new(crate::runtime::serving::Sampling::greedy()),
-        logprobs: None,
-        max_tokens: 0,
-        deadline: None,
-        generated: Vec::new(),
-        text: RowText::default(),
-        prompt_tokens: 0,
-        cached_tokens: 0,
-        next: 0,
-        matcher: None,
-    }
 }
 
 /// Takes out the rows whose caller dropped its stream or whose deadline
