@@ -151,7 +151,7 @@ fn end_to_end(
     // and given back after (the streaming step multiplies on all of them).
     let lanes = mlx_engine::default_lanes(
         mlx_support::best_device(),
-        mlx_engine::MemoryMode::for_model_dir(&fused),
+        mlx_engine::Checkpoint::open(&fused)?.default_memory(),
     );
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let blas_before = mlx_support::set_blas_threads((cores / lanes).max(1));

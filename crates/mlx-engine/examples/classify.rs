@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
-use mlx_engine::{EngineConfig, GenerateOptions, MemoryMode, Message, MlxEngine};
+use mlx_engine::{Checkpoint, EngineConfig, GenerateOptions, MemoryMode, Message, MlxEngine};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -35,7 +35,7 @@ struct Args {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Memory {
-    /// The engine's choice (`MemoryMode::for_model_dir`).
+    /// The engine's choice (`Checkpoint::default_memory`).
     Auto,
     Resident,
     Mapped,
@@ -65,7 +65,7 @@ fn main() -> Result<()> {
         .worker_name("classify");
     let memory = match args.memory {
         Memory::Auto => {
-            let chosen = MemoryMode::for_model_dir(&model_dir);
+            let chosen = Checkpoint::open(&model_dir)?.default_memory();
             println!("the engine's choice here: {chosen:?}");
             chosen
         }

@@ -117,9 +117,23 @@ pub enum Error {
         value: String,
         expected: &'static str,
     },
+    /// Adapters fused into layers as they are read were given with a
+    /// memory mode that does not stream the layers.
+    #[error(
+        "LoRA on the fly needs MemoryMode::Streamed, not {memory:?} \
+         (fuse the adapter into the folder with adapter-fuse instead)"
+    )]
+    AdaptersNeedStreamedLayers { memory: crate::MemoryMode },
     /// An MLX operation failed.
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
+    /// One of the project's CPU kernels refused a product (a bug in the
+    /// engine's choice of kernel: it asks only for products they take).
+    #[error("CPU kernel: {0}")]
+    Kernel(#[from] cpu_kernels::Error),
+    /// An array's elements could not be read on the host.
+    #[error("reading {what} on the host: {reason}")]
+    HostRead { what: &'static str, reason: String },
 }
 
 /// `Result` with this crate's [`Error`].

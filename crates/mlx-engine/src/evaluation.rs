@@ -25,6 +25,11 @@
 //!   never compute a shared one.
 //! - **Collective**: a distributed exchange, computed where it is issued,
 //!   so that every rank meets its peers' sends and receives in one order.
+//! - **Kernel**: the inputs of a product the project's CPU kernels
+//!   (`cpu-kernels`) compute, read on the host.
+//!
+//! Reading an array's elements on the host computes it too, so host reads
+//! go through here as well ([`host_slice`]), named like the rest.
 
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
@@ -38,6 +43,7 @@ pub(crate) enum Why {
     Host,
     Load,
     Collective,
+    Kernel,
 }
 
 /// Computes `arrays` now, for `why`.
@@ -47,4 +53,19 @@ pub(crate) fn evaluate<'a>(
 ) -> Result<(), Exception> {
     tracing::trace!(?why, "evaluate");
     mlx_rs::transforms::eval(arrays)
+}
+
+/// Computes `a` for `why` and lends its elements, row-contiguous, to the
+/// host. `what` names the array in the error when it cannot be read (a
+/// dtype other than `T`, or not row-contiguous).
+pub(crate) fn host_slice<'a, T: mlx_rs::ArrayElement>(
+    why: Why,
+    what: &'static str,
+    a: &'a Array,
+) -> crate::Result<&'a [T]> {
+    evaluate(why, [a])?;
+    a.try_as_slice::<T>().map_err(|e| crate::Error::HostRead {
+        what,
+        reason: e.to_string(),
+    })
 }

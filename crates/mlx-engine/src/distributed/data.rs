@@ -6,7 +6,7 @@ use mlx_support::distributed::Group;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::evaluation::{evaluate, Why};
+use crate::evaluation::{evaluate, host_slice, Why};
 use crate::tokenizer::Message;
 
 fn distributed(group: &Group, what: &str, e: impl std::fmt::Display) -> Error {
@@ -42,7 +42,9 @@ pub(crate) fn same_request(
         .all_gather(&Array::from_slice(&words, &[1, 8]))
         .map_err(|e| distributed(group, "comparing requests", e))?;
     evaluate(Why::Collective, [&all]).map_err(|e| distributed(group, "comparing requests", e))?;
-    let rows: Vec<&[i32]> = all.as_slice::<i32>().chunks(8).collect();
+    let rows: Vec<&[i32]> = host_slice::<i32>(Why::Collective, "request digests", &all)?
+        .chunks(8)
+        .collect();
     if let Some(other) = rows.iter().position(|r| *r != rows[0]) {
         return Err(Error::Distributed {
             rank: group.rank(),
@@ -104,7 +106,7 @@ pub(crate) fn gather_texts(
     header.extend(failures);
     let n = header.len() as i32;
     let header = exchange(Array::from_slice(&header, &[n]))?;
-    let header = header.as_slice::<i32>();
+    let header = host_slice::<i32>(Why::Collective, "the answers' header", &header)?;
     let (lengths, rest) = header.split_at(texts.len());
     let (sums, failures) = rest.split_at(2);
     if let Some(rank) = failures.iter().position(|&f| f != 0) {
@@ -124,7 +126,7 @@ pub(crate) fn gather_texts(
         at += len.max(0) as usize;
     }
     let bytes = exchange(Array::from_slice(&bytes, &[total as i32]))?;
-    let bytes = bytes.as_slice::<i32>();
+    let bytes = host_slice::<i32>(Why::Collective, "the answers' bytes", &bytes)?;
     let mut out = Vec::with_capacity(texts.len());
     let mut at = 0;
     for &len in lengths {

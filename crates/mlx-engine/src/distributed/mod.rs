@@ -21,7 +21,7 @@ use mlx_support::distributed::Group;
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
-use crate::evaluation::{evaluate, Why};
+use crate::evaluation::{evaluate, host_slice, Why};
 
 /// Where a model runs: in this process alone, or as one rank of a group.
 #[derive(Debug, Clone, Default)]
@@ -76,7 +76,7 @@ fn gathered(group: &Group, row: &[i32], rows: i32) -> Result<Vec<i32>> {
     let mine = Array::from_slice(row, &[rows, width]);
     let all = group.all_gather(&mine).map_err(|e| distributed(&e))?;
     evaluate(Why::Collective, [&all]).map_err(|e| distributed(&e))?;
-    Ok(all.as_slice::<i32>().to_vec())
+    Ok(host_slice::<i32>(Why::Collective, "the handshake", &all)?.to_vec())
 }
 
 /// The bytes of a file's name in a table row of the handshake (longer

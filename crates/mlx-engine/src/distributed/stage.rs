@@ -28,7 +28,7 @@ use mlx_rs::{Array, Dtype};
 use mlx_support::distributed::Group;
 
 use crate::error::{Error, Result};
-use crate::evaluation::{evaluate, Why};
+use crate::evaluation::{evaluate, host_slice, Why};
 
 /// The dtypes that cross a stage boundary, by the code their header holds.
 const DTYPES: [Dtype; 3] = [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16];
@@ -125,7 +125,7 @@ impl Stage {
                     .recv(&[1], Dtype::Int32, from)
                     .map_err(|e| self.err(what, e))?;
                 evaluate(Why::Collective, [&header]).map_err(|e| self.err(what, e))?;
-                let code = header.as_slice::<i32>()[0];
+                let code = host_slice::<i32>(Why::Collective, "a transfer's header", &header)?[0];
                 let dtype = usize::try_from(code)
                     .ok()
                     .and_then(|i| DTYPES.get(i).copied())
@@ -192,7 +192,10 @@ impl Stage {
             .all_gather(&Array::from_slice(&[code], &[1]))
             .map_err(|e| self.err(what, e))?;
         evaluate(Why::Collective, [&codes]).map_err(|e| self.err(what, e))?;
-        let last_code = codes.as_slice::<i32>().last().copied().unwrap_or(-1);
+        let last_code = host_slice::<i32>(Why::Collective, "the stages' dtypes", &codes)?
+            .last()
+            .copied()
+            .unwrap_or(-1);
         let dtype = usize::try_from(last_code)
             .ok()
             .and_then(|i| DTYPES.get(i).copied())

@@ -8,14 +8,15 @@ use mlx_rs::Array;
 use crate::distributed::stage::Stage;
 use crate::error::{Error, Result};
 use crate::models::config::{FamilySettings, ModelConfig};
-use crate::models::family::{Decoder, Family};
+use crate::models::family::{module_name, Decoder, Family, Part};
+use crate::models::layers::{Forward, Layers, Schedule};
 use crate::nn::attention::attention;
-use crate::nn::cache::{at_position, KvCache, LayerMask};
+use crate::nn::cache::{KvCache, LayerMask};
 use crate::nn::experts::{Experts, Routing, TAKEN_AT_ONCE};
 use crate::nn::fused::silu_mul;
 use crate::nn::mlp::gated_mlp;
 use crate::nn::rope::Positions;
-use crate::weights::layers::{Forward, Layers, Schedule};
+use crate::ops::at_position;
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
 
 /// Where the llama family's text decoder keeps its weights.
@@ -250,7 +251,15 @@ pub(crate) const FAMILY: Family = Family {
             moe,
         })))
     },
-    layers_prefix: |_, _| Ok(layers_path()),
+    layers_prefix: |_, _, _| Ok(layers_path()),
+    part_of: |layers, key| match layers.parse(key) {
+        // `mlp.switch_mlp` (qwen3_moe) or `block_sparse_moe.switch_mlp`
+        // (mixtral): the stacked experts.
+        Ok(Some((i, param))) if param.contains("switch_mlp.") => Part::Experts(i),
+        Ok(Some((i, _))) => Part::Layer(i),
+        _ if module_name(key) == "embed_tokens" => Part::Table,
+        _ => Part::Rest,
+    },
     can_cut_before: |_, _| true,
     load: |config, w, stage| Ok(Box::new(Llama::load(config, w, stage)?)),
 };

@@ -13,7 +13,8 @@ use mlx_rs::{Array, Dtype};
 use crate::error::Result;
 use crate::nn::cache::LayerMask;
 use crate::nn::fused::exp_shifted;
-use crate::nn::row_groups::{in_row_groups, rows_within};
+use crate::nn::row_groups::in_row_groups;
+use crate::ops::rows_within;
 
 /// The f32 bytes of one group of rows' scores (see [`attention`]).
 const SCORES_BYTES: usize = 8 << 20;

@@ -10,7 +10,7 @@ use mlx_rs::ops::{argpartition_axis, argsort_axis, expand_dims_axes, softmax_axi
 use mlx_rs::Array;
 
 use crate::error::Result;
-use crate::evaluation::{evaluate, Why};
+use crate::evaluation::{evaluate, host_slice, Why};
 use crate::nn::fused::silu_mul;
 use crate::weights::routed::ExpertStack;
 use crate::weights::Linear;
@@ -186,11 +186,7 @@ impl Experts {
         let hidden = x.dim(-1);
         // The choices sorted by expert, as places in `ids`.
         let order = argsort_axis(&chosen.flatten(None, None)?, 0)?;
-        evaluate(Why::Host, [&order])?;
-        let order: Vec<u32> = order
-            .try_as_slice::<u32>()
-            .map_err(|e| mlx_rs::error::Exception::custom(format!("routed experts: {e}")))?
-            .to_vec();
+        let order: Vec<u32> = host_slice::<u32>(Why::Host, "routed experts", &order)?.to_vec();
         let rows = x.reshape(&[b * l, 1, hidden])?;
         let mut outputs = Vec::new();
         let mut start = 0;
@@ -295,11 +291,7 @@ impl Experts {
 /// ascending order.
 fn chosen_ids(chosen: &Array) -> Result<(Vec<u32>, Vec<usize>)> {
     let flat = chosen.contiguous()?;
-    evaluate(Why::Host, [&flat])?;
-    let ids: Vec<u32> = flat
-        .try_as_slice::<u32>()
-        .map_err(|e| mlx_rs::error::Exception::custom(format!("routed experts: {e}")))?
-        .to_vec();
+    let ids: Vec<u32> = host_slice::<u32>(Why::Host, "routed experts", &flat)?.to_vec();
     let mut distinct: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
     distinct.sort_unstable();
     distinct.dedup();
@@ -330,6 +322,7 @@ mod tests {
     use mlx_support::Quantization;
 
     use super::*;
+    use crate::weights::kernels::HostKernels;
 
     const EXPERTS: i32 = 16;
     const HIDDEN: i32 = 64;
@@ -360,9 +353,9 @@ mod tests {
         let packed = |shape: &[i32], seed| {
             let (w, s, b) = quantize(normal(shape, seed), Q.group_size, Q.bits).unwrap();
             let (unpack, on_host) = match taken {
-                Taken::Unpacked => (true, false),
-                Taken::Packed => (false, false),
-                Taken::OnHost => (true, true),
+                Taken::Unpacked => (true, None),
+                Taken::Packed => (false, None),
+                Taken::OnHost => (true, Some(HostKernels::for_tests(2))),
             };
             ExpertStack::chosen_in_memory(w, Some((s, b, Q)), unpack, on_host)
         };
@@ -387,7 +380,8 @@ mod tests {
     #[test]
     fn experts_taken_in_groups_give_the_same_bits() {
         let per_expert = 3 * (INTER * HIDDEN) as usize * 4;
-        for taken in [Taken::Unpacked, Taken::Packed, Taken::OnHost] {
+        let on_host = cpu_kernels::supported().then_some(Taken::OnHost);
+        for taken in [Taken::Unpacked, Taken::Packed].into_iter().chain(on_host) {
             let (whole, grouped) = (experts(taken, usize::MAX), experts(taken, 3 * per_expert));
             // 3 × 5 × 4 = 60 choices (not sorted), 4 × 6 × 4 = 96 (sorted).
             for (shape, seed) in [([3, 5, HIDDEN], 10), ([4, 6, HIDDEN], 11)] {

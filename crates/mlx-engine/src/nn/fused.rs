@@ -19,16 +19,9 @@ use std::cell::RefCell;
 
 use mlx_rs::error::Exception;
 use mlx_rs::ops::{maximum, minimum};
-use mlx_rs::transforms::compile::compile;
 use mlx_rs::{Array, Dtype};
 
-pub(crate) type Compiled = Box<dyn for<'a> FnMut(&'a [Array]) -> Result<Vec<Array>, Exception>>;
-pub(crate) type Kernel = std::thread::LocalKey<RefCell<Compiled>>;
-
-/// `f` compiled for any shapes (traced once).
-pub(crate) fn compiled(f: fn(&[Array]) -> Result<Vec<Array>, Exception>) -> RefCell<Compiled> {
-    RefCell::new(Box::new(compile(f, true)))
-}
+use crate::ops::{call, compiled, Compiled, CompiledKey};
 
 // The compiled functions live as long as their thread: MLX keys a compiled
 // graph by the function's identity, so a function compiled per call would be
@@ -57,17 +50,8 @@ thread_local! {
     });
 }
 
-pub(crate) fn call<const N: usize>(
-    f: &'static Kernel,
-    args: &[Array],
-) -> Result<[Array; N], Exception> {
-    let out = f.with(|f| (f.borrow_mut())(args))?;
-    out.try_into()
-        .map_err(|_| Exception::custom("a compiled kernel returned the wrong number of arrays"))
-}
-
 /// The exponential's two factors: `(eʳ, 2ⁿ)`, the second as floats.
-fn factors(parts: &'static Kernel, args: &[Array]) -> Result<[Array; 2], Exception> {
+fn factors(parts: &'static CompiledKey, args: &[Array]) -> Result<[Array; 2], Exception> {
     let [e_r, bits] = call(parts, args)?;
     Ok([e_r, bits.view::<f32>()?])
 }

@@ -54,12 +54,6 @@ impl RowGroup {
     }
 }
 
-/// Rows per group so that a group's `per_row` bytes stay within `budget`:
-/// at least one row, at most `rows`.
-pub(crate) fn rows_within(budget: usize, per_row: usize, rows: usize) -> usize {
-    (budget / per_row.max(1)).clamp(1, rows.max(1))
-}
-
 /// `part(group)` for `rows` rows, `step` at a time, joined along axis 0.
 /// With more than one group, each part is evaluated before the next is
 /// built; with one, `part` of every row comes back as it is (lazy).
@@ -134,13 +128,5 @@ mod tests {
         let many = Array::from_iter(0..16i32, &[4, 4]);
         let rows = group.of_broadcast(&many);
         assert_eq!(rows.as_slice::<i32>(), &(4..12).collect::<Vec<_>>()[..]);
-    }
-
-    #[test]
-    fn rows_within_a_budget_are_at_least_one_and_at_most_all() {
-        assert_eq!(rows_within(8 << 20, 1 << 20, 32), 8);
-        assert_eq!(rows_within(8 << 20, 9 << 20, 32), 1);
-        assert_eq!(rows_within(8 << 20, 1, 32), 32);
-        assert_eq!(rows_within(8 << 20, 0, 0), 1);
     }
 }

@@ -15,7 +15,8 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{unbounded, Sender};
 
 use crate::error::{panic_message, EngineError};
-use crate::models::{MemoryMode, Model, QuantizedWeights};
+use crate::models::checkpoint::Checkpoint;
+use crate::models::Model;
 use crate::runtime::generate::{generate_batch, GenSettings, GenState, Generation};
 use crate::runtime::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
 use crate::runtime::serving::grammar::Grammars;
@@ -485,15 +486,13 @@ fn load(
     let err = |e: crate::Error| EngineError::Load(Arc::new(e));
     let device = mlx_support::best_device();
     mlx_support::use_device(device).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
-    let quantized = config
-        .quantized
-        .unwrap_or_else(|| QuantizedWeights::for_device(device));
+    let checkpoint = Checkpoint::open(&config.model_dir).map_err(err)?;
     let mut lora = config.lora;
     if !config.adapters.is_empty() {
-        let prefix = Model::layers_prefix(&config.model_dir).map_err(err)?;
+        let prefix = checkpoint.block_prefix();
         for dir in &config.adapters {
             let source = block_stream::MlxLmAdapter::open(dir)
-                .and_then(|a| a.block_source(&prefix))
+                .and_then(|a| a.block_source(prefix.as_str()))
                 .map_err(|source| {
                     err(crate::Error::Stream {
                         dir: dir.clone(),
@@ -503,27 +502,24 @@ fn load(
             lora.push(source);
         }
     }
-    let memory = match (config.memory, lora.is_empty()) {
-        (Some(memory), true) => memory,
-        (None, true) => MemoryMode::for_model_dir(&config.model_dir),
-        (None | Some(MemoryMode::Streamed), false) => MemoryMode::Streamed,
-        (Some(other), false) => {
-            return Err(EngineError::InvalidConfig(format!(
-                "LoRA on the fly needs MemoryMode::Streamed, not {other:?} \
-                 (fuse the adapter into the folder with adapter-fuse instead)"
-            )))
-        }
-    };
-    tracing::info!(?memory, ?quantized, "loading the model");
-    let mut loader = Model::loader(&config.model_dir)
-        .quantized(quantized)
-        .memory(memory)
-        .lora(lora)
-        .placement(&config.placement);
+    let mut loader = checkpoint.loader().lora(lora).placement(&config.placement);
+    if let Some(quantized) = config.quantized {
+        loader = loader.quantized(quantized);
+    }
+    if let Some(memory) = config.memory {
+        loader = loader.memory(memory);
+    }
     if let Some(kernels) = config.kernels {
         loader = loader.kernels(kernels);
     }
-    let model = loader.load().map_err(err)?;
+    let model = loader.load().map_err(|e| match e {
+        // A setting of the caller's, not a fault of the folder.
+        crate::Error::AdaptersNeedStreamedLayers { .. } => {
+            EngineError::InvalidConfig(e.to_string())
+        }
+        e => err(e),
+    })?;
+    let memory = model.memory();
     let tokenizer = Tokenizer::load(&config.model_dir).map_err(err)?;
     let processor = config.logits_processor_factory.map(|f| f(&tokenizer));
     let max_prompt_tokens = config.max_prompt_tokens.unwrap_or_else(|| {

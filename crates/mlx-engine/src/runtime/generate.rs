@@ -9,7 +9,7 @@ use mlx_support::distributed::Group;
 
 use crate::distributed::{self, Placement};
 use crate::error::EngineError;
-use crate::evaluation::{evaluate, Why};
+use crate::evaluation::{evaluate, host_slice, Why};
 use crate::models::{Model, Schedule};
 use crate::nn::cache::KvCache;
 use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
@@ -396,10 +396,10 @@ pub(crate) fn pick_tokens(
     let next = argmax_axis(&logits, -1, None)?.as_dtype(mlx_rs::Dtype::Int32)?;
     let finite = logits.is_nan()?.any(None)?.logical_not()?;
     evaluate(Why::Step, [&next, &finite])?;
-    if !finite.item_exact::<bool>() {
+    if !host_slice::<bool>(Why::Step, "the logits' finiteness", &finite)?[0] {
         return Err(crate::Error::NotFiniteLogits);
     }
-    Ok(next.as_slice::<i32>().to_vec())
+    Ok(host_slice::<i32>(Why::Step, "next tokens", &next)?.to_vec())
 }
 
 /// Prefills the rows' suffixes on forks of the prefix cache (left-padded

@@ -210,9 +210,11 @@ impl EngineConfig {
         self
     }
 
-    /// Where the weights live (default: [`MemoryMode::for_model_dir`]: the
-    /// size of the model folder's weight files and of its embedding
-    /// tables, and [`mlx_support::memory_limit`]).
+    /// Where the weights live (default: [`Checkpoint::default_memory`]: the
+    /// size of the model folder's weight files and of what mapped tables
+    /// leave in them, and [`mlx_support::memory_limit`]).
+    ///
+    /// [`Checkpoint::default_memory`]: crate::Checkpoint::default_memory
     pub fn memory(mut self, memory: MemoryMode) -> EngineConfig {
         self.memory = Some(memory);
         self

@@ -98,7 +98,7 @@ mod tests {
                 biases,
                 q,
                 dequantize_on_use: true,
-                on_host: false,
+                on_host: None,
             },
         };
         let tokens = Array::from_slice(&[3, 1, 4, 1, 5, 9], &[2, 3]);

@@ -1,8 +1,9 @@
 //! Which kernels multiply dense weights: chosen once, at load, for the
 //! whole model.
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
-use crate::weights::{few_rows, packed_product};
 
 /// Which products multiply dense f32 weights on the CPU.
 ///
@@ -50,37 +51,89 @@ impl Kernels {
     }
 }
 
-/// How a model's dense products run: the kernels and the device, fixed at
-/// load so that no product looks either up again.
-#[derive(Debug, Clone, Copy)]
+/// How a model's products run, fixed at load from the kernels asked for
+/// and the device, so that no product looks either up again; with the
+/// threads the project's CPU kernels share out their work over, which the
+/// model owns.
+#[derive(Debug, Clone)]
 pub(crate) struct Products {
-    kernels: Kernels,
-    device: mlx_support::ComputeDevice,
+    /// Where the native kernels run: `None` where they do not (portable
+    /// kernels, the GPU, a CPU without AVX-512F).
+    host: Option<HostKernels>,
 }
 
 impl Products {
-    /// `kernels` on the device MLX uses now.
-    pub(crate) fn at_load(kernels: Kernels) -> Products {
-        Products {
-            kernels,
-            device: mlx_support::current_device(),
-        }
+    /// `kernels` on the device MLX uses now, with a pool of one thread per
+    /// core for the native ones.
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when the pool's threads cannot start.
+    pub(crate) fn at_load(kernels: Kernels) -> Result<Products> {
+        let device = mlx_support::current_device();
+        let native = kernels == Kernels::Native
+            && device == mlx_support::ComputeDevice::Cpu
+            && cpu_kernels::supported();
+        let host = if native {
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            Some(HostKernels(Arc::new(cpu_kernels::Pool::new(cores)?)))
+        } else {
+            None
+        };
+        Ok(Products { host })
     }
 
-    /// Whether a dense weight `(outputs, inputs)` of `dtype` is held in
-    /// panels for the few-rows kernel.
-    pub(crate) fn holds_in_panels(&self, outputs: usize, dtype: mlx_rs::Dtype) -> bool {
-        self.kernels == Kernels::Native
-            && self.device == mlx_support::ComputeDevice::Cpu
-            && few_rows::holds_in_panels(outputs, dtype)
+    /// The kernels that hold a dense weight `(outputs, inputs)` of `dtype`
+    /// in panels, when they do.
+    pub(crate) fn panels_for(&self, outputs: usize, dtype: mlx_rs::Dtype) -> Option<HostKernels> {
+        self.host
+            .clone()
+            .filter(|_| holds_in_panels(outputs, dtype))
     }
 
-    /// Whether packed weights quantized as `q`, when they are unpacked on
-    /// use, are multiplied by [`packed_product`]'s kernel.
-    pub(crate) fn multiplies_packed(&self, q: mlx_support::Quantization) -> bool {
-        self.kernels == Kernels::Native
-            && self.device == mlx_support::ComputeDevice::Cpu
-            && packed_product::runs(q)
+    /// The kernels that multiply packed weights quantized as `q` when they
+    /// are unpacked on use, when they do.
+    pub(crate) fn packed_for(&self, q: mlx_support::Quantization) -> Option<HostKernels> {
+        self.host.clone().filter(|_| multiplies_packed(q))
+    }
+}
+
+/// Whether the panel kernel can hold a weight `(outputs, inputs)` of
+/// `dtype`: f32, its outputs whole panels.
+fn holds_in_panels(outputs: usize, dtype: mlx_rs::Dtype) -> bool {
+    dtype == mlx_rs::Dtype::Float32 && outputs > 0 && outputs.is_multiple_of(cpu_kernels::PANEL)
+}
+
+/// Whether the packed kernel multiplies weights quantized as `q`: it reads
+/// MLX's 4-bit packing only.
+pub(crate) fn multiplies_packed(q: mlx_support::Quantization) -> bool {
+    q.bits == 4
+}
+
+/// The project's CPU kernels (`cpu-kernels`) as a loaded model uses them:
+/// on the pool its load made. Held by each weight they multiply.
+#[derive(Clone)]
+pub(crate) struct HostKernels(Arc<cpu_kernels::Pool>);
+
+impl HostKernels {
+    /// The threads one product may use: as many as OpenBLAS has now, which
+    /// is the lanes' share of the cores when the engine shares them out
+    /// (`BlasThreads::SharedByLanes`), so that a lane's kernels and its
+    /// BLAS products use the same share.
+    pub(crate) fn workers(&self) -> cpu_kernels::Workers<'_> {
+        self.0
+            .workers(mlx_support::blas_threads().unwrap_or(1).max(1))
+    }
+
+    /// Kernels on a pool of `threads`, for tests.
+    #[cfg(test)]
+    pub(crate) fn for_tests(threads: usize) -> HostKernels {
+        HostKernels(Arc::new(cpu_kernels::Pool::new(threads).unwrap()))
+    }
+}
+
+impl std::fmt::Debug for HostKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostKernels({} threads)", self.0.threads())
     }
 }
 
@@ -104,23 +157,15 @@ mod tests {
 
     #[test]
     fn portable_products_never_use_panels() {
-        let native = Products {
-            kernels: Kernels::Native,
-            device: mlx_support::ComputeDevice::Cpu,
-        };
-        let portable = Products {
-            kernels: Kernels::Portable,
-            ..native
-        };
-        assert!(!portable.holds_in_panels(64, mlx_rs::Dtype::Float32));
+        let native = Products::at_load(Kernels::Native).unwrap();
+        let portable = Products::at_load(Kernels::Portable).unwrap();
+        assert!(portable.panels_for(64, mlx_rs::Dtype::Float32).is_none());
         assert_eq!(
-            native.holds_in_panels(64, mlx_rs::Dtype::Float32),
-            few_rows::supported()
+            native.panels_for(64, mlx_rs::Dtype::Float32).is_some(),
+            cpu_kernels::supported()
+                && mlx_support::current_device() == mlx_support::ComputeDevice::Cpu
         );
-        let gpu = Products {
-            device: mlx_support::ComputeDevice::Gpu,
-            ..native
-        };
-        assert!(!gpu.holds_in_panels(64, mlx_rs::Dtype::Float32));
+        assert!(native.panels_for(48, mlx_rs::Dtype::Float32).is_none());
+        assert!(native.panels_for(64, mlx_rs::Dtype::Bfloat16).is_none());
     }
 }

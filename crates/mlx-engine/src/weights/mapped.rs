@@ -23,7 +23,8 @@ use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
-use crate::evaluation::{evaluate, Why};
+use crate::evaluation::{host_slice, Why};
+use crate::weights::kernels::HostKernels;
 use crate::weights::quantized::QuantizedWeights;
 use crate::weights::rows::GatheredRows;
 use crate::weights::slices::{head_slice_rows, in_row_slices};
@@ -50,7 +51,7 @@ struct Packing {
     quantized_head: bool,
     /// The head is multiplied by the packed kernel where it takes a slice,
     /// as the resident head is (see `Packed::on_host`).
-    on_host: bool,
+    on_host: Option<HostKernels>,
     /// Unpacked rows come out in f32: the resident table of this mode is
     /// dequantized to f32 at load.
     f32_rows: bool,
@@ -84,7 +85,7 @@ impl MappedTable {
         q: Quantization,
         vocab: usize,
         dim: usize,
-        (mode, on_host): (QuantizedWeights, bool),
+        (mode, on_host): (QuantizedWeights, Option<HostKernels>),
         as_head: bool,
     ) -> MappedTable {
         MappedTable {
@@ -95,7 +96,7 @@ impl MappedTable {
                 biases,
                 q,
                 quantized_head: mode == QuantizedWeights::Keep,
-                on_host: on_host && mode == QuantizedWeights::DequantizeOnUse,
+                on_host: on_host.filter(|_| mode == QuantizedWeights::DequantizeOnUse),
                 f32_rows: as_head && mode == QuantizedWeights::DequantizeF32,
             }),
             vocab,
@@ -113,10 +114,7 @@ impl MappedTable {
         // A prefill piece is a column slice of the padded block: copied
         // into a contiguous array before its ids are read.
         let ids = tokens.as_dtype(Dtype::Int32)?.contiguous()?;
-        evaluate(Why::Host, [&ids])?;
-        let ids: &[i32] = ids
-            .try_as_slice()
-            .map_err(|e| mlx_rs::error::Exception::custom(format!("token ids: {e:?}")))?;
+        let ids = host_slice::<i32>(Why::Host, "token ids", &ids)?;
         // Each distinct token read once, consecutive ones in one read.
         let mut distinct = ids.to_vec();
         distinct.sort_unstable();
@@ -173,9 +171,12 @@ impl MappedTable {
     /// rows read at a time.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         let mut step = head_slice_rows(self.dim);
-        let kernel = self.packing.as_ref().is_some_and(|p| p.on_host)
-            && self.vocab.is_multiple_of(few_rows::PANEL);
-        if kernel {
+        let kernel = self
+            .packing
+            .as_ref()
+            .and_then(|p| p.on_host.as_ref())
+            .filter(|_| self.vocab.is_multiple_of(few_rows::PANEL));
+        if kernel.is_some() {
             // Slices the kernel takes whole, so that every output is its
             // sum, as in the resident head's one product.
             step = (step / few_rows::PANEL).max(1) * few_rows::PANEL;
@@ -191,7 +192,7 @@ impl MappedTable {
                 .packing
                 .as_ref()
                 .ok_or_else(|| self.missing(&p.scales))?;
-            if kernel {
+            if let Some(kernels) = kernel {
                 let n = range.len();
                 let product = packed_product::product(
                     x,
@@ -201,6 +202,7 @@ impl MappedTable {
                     p.q,
                     0..n,
                     0..self.dim,
+                    kernels,
                 )?;
                 if let Some(y) = product {
                     return Ok(y);
@@ -382,7 +384,7 @@ mod tests {
         };
         let keys = ["t.weight", "t.scales", "t.biases"].map(String::from);
         let mode = QuantizedWeights::DequantizeOnUse;
-        let mapped = MappedTable::packed(set, keys, q, vocab, dim, (mode, false), true);
+        let mapped = MappedTable::packed(set, keys, q, vocab, dim, (mode, None), true);
         let resident = crate::weights::Embedding::Packed {
             weight,
             packed: crate::weights::Packed {
@@ -390,7 +392,7 @@ mod tests {
                 biases,
                 q,
                 dequantize_on_use: true,
-                on_host: false,
+                on_host: None,
             },
         };
         let head = mapped.as_linear(&x).unwrap();

@@ -9,7 +9,6 @@ pub(crate) mod embedding;
 pub(crate) mod few_rows;
 pub(crate) mod kernels;
 pub(crate) mod key;
-pub(crate) mod layers;
 pub(crate) mod mapped;
 pub(crate) mod memory_mode;
 pub(crate) mod packed;
@@ -35,7 +34,7 @@ use st_mmap::{SafetensorsSet, TensorView};
 use crate::error::{Error, Result};
 use crate::evaluation::{evaluate, Why};
 pub(crate) use crate::weights::embedding::Embedding;
-use crate::weights::kernels::Products;
+use crate::weights::kernels::{HostKernels, Products};
 pub(crate) use crate::weights::key::KeyPath;
 use crate::weights::mapped::MappedTable;
 use crate::weights::memory_mode::MemoryMode;
@@ -155,7 +154,7 @@ impl Weights<'_> {
             biases: self.array(&module.join("biases"), &groups)?,
             q,
             dequantize_on_use: self.mode != QuantizedWeights::Keep,
-            on_host: self.products.multiplies_packed(q),
+            on_host: self.products.packed_for(q),
         };
         Ok(Some((weight, packed)))
     }
@@ -230,8 +229,8 @@ impl Weights<'_> {
     fn dense_linear(&self, weight: &Array, bias: Option<Array>) -> Result<Linear> {
         let panels = self
             .products
-            .holds_in_panels(weight.dim(0) as usize, weight.dtype());
-        let laid_out = if panels {
+            .panels_for(weight.dim(0) as usize, weight.dtype());
+        let laid_out = if panels.is_some() {
             few_rows::to_panels(weight)?
         } else {
             weight.t().contiguous()?
@@ -242,10 +241,9 @@ impl Weights<'_> {
         Ok(Linear {
             weight: laid_out,
             bias,
-            layout: if panels {
-                Layout::Panels
-            } else {
-                Layout::Transposed
+            layout: match panels {
+                Some(kernels) => Layout::Panels(kernels),
+                None => Layout::Transposed,
             },
         })
     }
@@ -314,7 +312,7 @@ impl Weights<'_> {
             q,
             vocab,
             dim,
-            (self.mode, self.products.multiplies_packed(q)),
+            (self.mode, self.products.packed_for(q)),
             as_head,
         ))))
     }
@@ -333,8 +331,8 @@ enum Layout {
     /// Dense, `Wᵀ` `(in, out)`, multiplied by MLX.
     Transposed,
     /// Dense, in [`few_rows`] panels `(out / PANEL, in, PANEL)`, multiplied
-    /// by its kernel.
-    Panels,
+    /// by these kernels.
+    Panels(HostKernels),
     /// Packed as stored, `(out, in / pack)`.
     Packed(Packed),
 }
@@ -344,7 +342,7 @@ impl Linear {
         let y = match &self.layout {
             Layout::Packed(p) if p.dequantize_on_use => p.product_in_slices(x, &self.weight)?,
             Layout::Packed(p) => p.quantized_matmul(x, &self.weight)?,
-            Layout::Panels => few_rows::product(x, &self.weight)?,
+            Layout::Panels(kernels) => few_rows::product(x, &self.weight, kernels)?,
             // MLX's `nn.Linear` adds its bias inside the product (`addmm`):
             // one rounding, where a product then a sum rounds twice in
             // bfloat16.
@@ -378,7 +376,7 @@ impl Linear {
                 p.q.group_size,
                 p.q.bits,
             )?,
-            Layout::Panels => self.panel_outputs(x, outputs)?,
+            Layout::Panels(kernels) => self.panel_outputs(x, outputs, kernels)?,
             Layout::Transposed => x.matmul(self.weight.index((.., r.clone())))?,
         };
         Ok(match &self.bias {
@@ -390,14 +388,19 @@ impl Linear {
     /// The product's `outputs` for a weight held in panels: from the panels
     /// that hold them when they start and end on a panel's edge, else the
     /// whole product's columns.
-    fn panel_outputs(&self, x: &Array, outputs: Range<usize>) -> Result<Array> {
+    fn panel_outputs(
+        &self,
+        x: &Array,
+        outputs: Range<usize>,
+        kernels: &HostKernels,
+    ) -> Result<Array> {
         let aligned = outputs.start.is_multiple_of(few_rows::PANEL)
             && outputs.end.is_multiple_of(few_rows::PANEL);
         if aligned {
             let panels = self.weight.index(
                 (outputs.start / few_rows::PANEL) as i32..(outputs.end / few_rows::PANEL) as i32,
             );
-            return few_rows::product(x, &panels);
+            return few_rows::product(x, &panels, kernels);
         }
         let r = outputs.start as i32..outputs.end as i32;
         Ok(x.matmul(few_rows::transposed(&self.weight)?.index((.., r)))?)
@@ -431,7 +434,7 @@ impl Linear {
                 biases,
                 q,
                 dequantize_on_use: true,
-                on_host: false,
+                on_host: None,
             }),
         }
     }

@@ -10,6 +10,7 @@ use mlx_rs::Array;
 use mlx_support::Quantization;
 
 use crate::error::Result;
+use crate::weights::kernels::HostKernels;
 use crate::weights::packed_product;
 use crate::weights::slices::{in_row_slices, slice_rows};
 use crate::weights::unpack::dequantize_f32;
@@ -21,10 +22,10 @@ pub(crate) struct Packed {
     pub q: Quantization,
     /// Dequantize before each product instead of MLX's quantized matmul.
     pub dequantize_on_use: bool,
-    /// With `dequantize_on_use`: multiply by [`packed_product`]'s kernel
-    /// (reading the packed words) where it takes the product, unpacking
-    /// only where it does not.
-    pub on_host: bool,
+    /// With `dequantize_on_use`: the kernels that multiply it by
+    /// [`packed_product`] (reading the packed words) where they take the
+    /// product, unpacking only where they do not.
+    pub on_host: Option<HostKernels>,
 }
 
 impl Packed {
@@ -85,9 +86,9 @@ impl Packed {
         outputs: Range<usize>,
         columns: Range<usize>,
     ) -> Result<Option<Array>> {
-        if !self.on_host {
+        let Some(kernels) = &self.on_host else {
             return Ok(None);
-        }
+        };
         packed_product::product(
             x,
             weight,
@@ -96,6 +97,7 @@ impl Packed {
             self.q,
             outputs,
             columns,
+            kernels,
         )
     }
 

@@ -18,8 +18,10 @@ use mlx_rs::Array;
 use mlx_support::Quantization;
 
 use crate::error::Result;
-use crate::weights::few_rows::{self, host_f32, host_written};
-use crate::weights::packed_product::{multiply, Matrix};
+use crate::evaluation::{host_slice, Why};
+use crate::weights::few_rows::{host_written, PANEL};
+use crate::weights::kernels::{multiplies_packed, HostKernels};
+use crate::weights::packed_product::{readable, HostMatrix};
 
 /// `(…shape, 1, out)`: for each choice `c` of `experts` (places in the
 /// stack, laid out as `shape`), row `c / (choices / rows)` of `x` `(…, in)` times
@@ -27,8 +29,12 @@ use crate::weights::packed_product::{multiply, Matrix};
 /// / 8)` with its `(n, out, in / group)` `scales` and `biases` — the
 /// layout of MLX's `gather_mm(x, w, rhs_indices = experts)` for `x` of
 /// one row per choice, or of one row per `k` choices broadcast. `None`
-/// where the kernel does not take it (not 4 bits, no AVX-512, outputs not
-/// a multiple of 32, other dtypes or widths): the caller unpacks.
+/// where the kernel does not take it (not 4 bits, outputs not a multiple
+/// of 32, other dtypes or widths): the caller unpacks.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one product's operands and its routing"
+)]
 pub(crate) fn routed_product(
     x: &Array,
     weight: &Array,
@@ -37,6 +43,7 @@ pub(crate) fn routed_product(
     q: Quantization,
     experts: &[u32],
     shape: &[i32],
+    kernels: &HostKernels,
 ) -> Result<Option<Array>> {
     if weight.ndim() != 3 || scales.ndim() != 3 || biases.ndim() != 3 || x.ndim() == 0 {
         return Ok(None);
@@ -45,7 +52,8 @@ pub(crate) fn routed_product(
     let inputs = x.dim(-1) as usize;
     let rows = x.size().checked_div(inputs).unwrap_or(0);
     let choices = experts.len();
-    let fits = out.is_multiple_of(few_rows::PANEL)
+    let fits = multiplies_packed(q)
+        && out.is_multiple_of(PANEL)
         && out > 0
         && inputs > 0
         && rows > 0
@@ -56,40 +64,31 @@ pub(crate) fn routed_product(
     }
     let flat = |a: &Array| a.reshape(&[(n * out) as i32, a.dim(2)]);
     let (weight, scales, biases) = (flat(weight)?, flat(scales)?, flat(biases)?);
-    let Some(mut matrix) = Matrix::of(&weight, &scales, &biases, q) else {
+    if !readable(&weight, &scales, &biases) {
+        return Ok(None);
+    }
+    let host = match HostMatrix::read(&weight, &scales, &biases) {
+        Ok(host) => host,
+        // Not row-contiguous (a view of another array): unpacked instead.
+        Err(crate::Error::HostRead { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let Ok(stack) = host.matrix(q) else {
         return Ok(None);
     };
-    if matrix.inputs != inputs || !matrix.fits(n * out) {
+    if stack.inputs() != inputs {
         return Ok(None);
     }
     let x = x
         .as_dtype(mlx_rs::Dtype::Float32)?
         .reshape(&[rows as i32, inputs as i32])?
         .contiguous()?;
-    let xs = host_f32(&x)?;
-    let per_row = choices / rows;
-    // The choices by expert (stable: a run keeps the choices' order).
-    let mut order: Vec<usize> = (0..choices).collect();
-    order.sort_by_key(|&c| experts[c]);
-    let threads = mlx_support::blas_threads().unwrap_or(1).max(1);
-    let mut run_x = Vec::new();
-    let mut run_y = Vec::new();
+    let xs = host_slice::<f32>(Why::Kernel, "the routed rows", &x)?;
     let y = host_written("packed_routed::routed_product", &[choices, out], |sums| {
-        for run in order.chunk_by(|&a, &b| experts[a] == experts[b]) {
-            matrix.first_output = experts[run[0]] as usize * out;
-            run_x.clear();
-            for &c in run {
-                let r = c / per_row;
-                run_x.extend_from_slice(&xs[r * inputs..(r + 1) * inputs]);
-            }
-            run_y.clear();
-            run_y.resize(run.len() * out, 0.0);
-            multiply(&matrix, &run_x, run.len(), &mut run_y, threads);
-            for (j, &c) in run.iter().enumerate() {
-                sums[c * out..(c + 1) * out].copy_from_slice(&run_y[j * out..(j + 1) * out]);
-            }
-        }
-        Ok(())
+        let workers = kernels.workers();
+        Ok(cpu_kernels::packed::routed(
+            &stack, out, xs, rows, experts, sums, workers,
+        )?)
     })?;
     let mut shape = shape.to_vec();
     shape.extend([1, out as i32]);
@@ -136,11 +135,12 @@ mod tests {
         // 20 choices among the 6 experts, expert 3 chosen 11 times.
         let ids: Vec<u32> = vec![3, 0, 3, 5, 3, 3, 1, 3, 3, 2, 3, 3, 0, 3, 5, 3, 1, 3, 4, 2];
         let x = normal(&[20, 1, inputs], 2);
-        let got = routed_product(&x, &w, &s, &b, Q, &ids, &[20]).unwrap();
-        if !few_rows::supported() {
-            assert!(got.is_none(), "no AVX-512F: left to the caller");
+        if !cpu_kernels::supported() {
+            eprintln!("SKIPPED: this CPU has no AVX-512F; routed products go to MLX");
             return;
         }
+        let k = HostKernels::for_tests(2);
+        let got = routed_product(&x, &w, &s, &b, Q, &ids, &[20], &k).unwrap();
         let got = got.unwrap();
         let experts = Array::from_slice(&ids, &[20]);
         let want = gather_mm(&x, &dense, None, Some(&experts), Some(false)).unwrap();
@@ -148,7 +148,7 @@ mod tests {
         assert!(max_abs_diff(&got, &want) < 1e-4);
         // One row per two choices, `(2, 5, 1, 1, in)` against `(2, 5, 2)`.
         let rows = normal(&[2, 5, 1, 1, inputs], 3);
-        let got = routed_product(&rows, &w, &s, &b, Q, &ids, &[2, 5, 2])
+        let got = routed_product(&rows, &w, &s, &b, Q, &ids, &[2, 5, 2], &k)
             .unwrap()
             .unwrap();
         let experts = Array::from_slice(&ids, &[2, 5, 2]);
@@ -156,18 +156,18 @@ mod tests {
         assert_eq!(got.shape(), want.shape());
         assert!(max_abs_diff(&got, &want) < 1e-4);
         // Choice 7 (expert 3) alone.
-        let whole = routed_product(&x, &w, &s, &b, Q, &ids, &[20])
+        let whole = routed_product(&x, &w, &s, &b, Q, &ids, &[20], &k)
             .unwrap()
             .unwrap();
         let alone = x.take_axis(Array::from_slice(&[7i32], &[1]), 0).unwrap();
-        let alone = routed_product(&alone, &w, &s, &b, Q, &[3], &[1])
+        let alone = routed_product(&alone, &w, &s, &b, Q, &[3], &[1], &k)
             .unwrap()
             .unwrap();
         let whole = whole.as_slice::<f32>();
         assert_eq!(alone.as_slice::<f32>(), &whole[7 * 64..8 * 64]);
         // Left to the caller: 3 bits, an expert past the stack, 48 outputs.
         let left = |x: &Array, w: &Array, s: &Array, b: &Array, q, ids: &[u32]| {
-            routed_product(x, w, s, b, q, ids, &[ids.len() as i32])
+            routed_product(x, w, s, b, q, ids, &[ids.len() as i32], &k)
                 .unwrap()
                 .is_none()
         };

@@ -17,7 +17,8 @@ use mlx_support::{array_written, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
-use crate::evaluation::{evaluate, Why};
+use crate::evaluation::{evaluate, host_slice, Why};
+use crate::weights::kernels::HostKernels;
 use crate::weights::memory_mode::MemoryMode;
 use crate::weights::packed_routed;
 use crate::weights::unpack::dequantize_f32;
@@ -58,6 +59,7 @@ pub(crate) enum ExpertMatrices {
         scales: Array,
         biases: Array,
         q: Quantization,
+        kernels: HostKernels,
     },
 }
 
@@ -98,11 +100,10 @@ impl ExpertMatrices {
                 scales,
                 biases,
                 q,
+                kernels,
             } => {
                 let ids = experts.as_dtype(mlx_rs::Dtype::Uint32)?.contiguous()?;
-                let host = ids.try_as_slice::<u32>().map_err(|e| {
-                    mlx_rs::error::Exception::custom(format!("routed experts: {e}"))
-                })?;
+                let host = host_slice::<u32>(Why::Host, "routed experts", &ids)?;
                 let product = packed_routed::routed_product(
                     x,
                     weight,
@@ -111,6 +112,7 @@ impl ExpertMatrices {
                     *q,
                     host,
                     ids.shape(),
+                    kernels,
                 )?;
                 match product {
                     Some(y) => y,
@@ -156,9 +158,9 @@ pub(crate) struct ChosenSource {
     packing: Option<(StackPart, StackPart, Quantization)>,
     /// Unpack packed experts to f32 (else `gather_qmm` multiplies them).
     unpack: bool,
-    /// With `unpack`: multiply them packed by the project's kernel where
-    /// it takes the product, unpacking only where it does not.
-    on_host: bool,
+    /// With `unpack`: the kernels that multiply them packed where they
+    /// take the product, unpacking only where they do not.
+    on_host: Option<HostKernels>,
     /// Dense half-precision experts widened to f32 as they are taken
     /// (MLX's CPU `gather_mm` multiplies f32 alone).
     widen: bool,
@@ -188,7 +190,7 @@ impl ExpertStack {
         weight: Array,
         packing: Option<(Array, Array, Quantization)>,
         unpack: bool,
-        on_host: bool,
+        on_host: Option<HostKernels>,
     ) -> ExpertStack {
         let inputs = match &packing {
             Some((_, _, q)) => weight.dim(2) as usize * 32 / q.bits as usize,
@@ -219,12 +221,13 @@ impl ChosenSource {
             return Ok(ExpertMatrices::Dense(weight.swap_axes(-1, -2)?));
         };
         let (scales, biases) = (scales.take(experts)?, biases.take(experts)?);
-        if self.on_host {
+        if let Some(kernels) = &self.on_host {
             return Ok(ExpertMatrices::PackedOnHost {
                 weight,
                 scales,
                 biases,
                 q: *q,
+                kernels: kernels.clone(),
             });
         }
         if !self.unpack {
@@ -302,13 +305,13 @@ impl Weights<'_> {
         let unpack = self.mode != QuantizedWeights::Keep;
         // Only where every memory mode takes the experts per forward
         // (`DequantizeOnUse`), so that all of them multiply alike.
-        let on_host = self.mode == QuantizedWeights::DequantizeOnUse
-            && packing
-                .as_ref()
-                .is_some_and(|(_, _, q)| self.products.multiplies_packed(*q));
+        let on_host = packing
+            .as_ref()
+            .filter(|_| self.mode == QuantizedWeights::DequantizeOnUse)
+            .and_then(|(_, _, q)| self.products.packed_for(*q));
         let taken_bytes = match &packing {
             // The words, and a scale and a bias per group (f32 at most).
-            Some((_, _, q)) if on_host => {
+            Some((_, _, q)) if on_host.is_some() => {
                 out * inputs * q.bits as usize / 8 + out * inputs / q.group_size as usize * 8
             }
             _ => out * inputs * 4,

@@ -64,7 +64,7 @@ impl GatheredRows {
 
     /// The rows of position `at` of axis 1 alone, the axis kept.
     pub(crate) fn at_position(&self, at: i32) -> Result<GatheredRows> {
-        let keep = |a: &Array| crate::nn::cache::at_position(a, 1, at);
+        let keep = |a: &Array| crate::ops::at_position(a, 1, at);
         Ok(match self {
             GatheredRows::Dense(a) => GatheredRows::Dense(keep(a)?),
             GatheredRows::Packed {

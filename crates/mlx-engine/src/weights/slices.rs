@@ -7,7 +7,7 @@ use mlx_rs::Array;
 
 use crate::error::Result;
 use crate::evaluation::{evaluate, Why};
-use crate::nn::row_groups::rows_within;
+use crate::ops::rows_within;
 
 /// The f32 bytes of the slice of rows in which a packed matrix is
 /// unpacked for a product.

@@ -36,7 +36,7 @@ use mlx_rs::ops::dequantize;
 use mlx_rs::{Array, Dtype};
 use mlx_support::Quantization;
 
-use crate::nn::fused::{call, compiled, Compiled};
+use crate::ops::{call, compiled, Compiled};
 
 thread_local! {
     // Per thread (see `fused`): MLX work stays on the thread that owns it.

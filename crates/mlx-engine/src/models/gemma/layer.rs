@@ -8,12 +8,13 @@ use crate::models::config::ModelConfig;
 use crate::models::gemma::config::{GemmaSpec, Version};
 use crate::models::gemma::ops::{gelu_mul, norm, residual_add};
 use crate::models::gemma::per_layer::{PerLayerInputs, PerLayerSource};
+use crate::models::layers::Forward;
 use crate::nn::attention::attention;
-use crate::nn::cache::{at_position, KvCache, LayerMask};
+use crate::nn::cache::{KvCache, LayerMask};
 use crate::nn::mlp::gated_mlp;
 use crate::nn::rope::Positions;
-use crate::nn::row_groups::{in_row_groups, rows_within};
-use crate::weights::layers::Forward;
+use crate::nn::row_groups::in_row_groups;
+use crate::ops::{at_position, rows_within};
 use crate::weights::{KeyPath, Linear, Weights};
 
 /// The f32 bytes of one group of rows' queries, from which a layer's

@@ -15,21 +15,24 @@ mod layer;
 mod ops;
 mod per_layer;
 
+use std::path::Path;
+
 use mlx_rs::fast;
 use mlx_rs::ops::tanh;
 use mlx_rs::{Array, Dtype};
+use st_mmap::SafetensorsSet;
 
 use crate::distributed::stage::Stage;
 use crate::error::{Error, Result};
 use crate::models::config::{FamilySettings, ModelConfig};
-use crate::models::family::{Decoder, Family};
+use crate::models::family::{module_name, Decoder, Family, Part};
 use crate::models::gemma::config::{text_fields, GemmaSpec, Version};
 use crate::models::gemma::layer::{Layer, LayerContext, Pass};
 use crate::models::gemma::ops::{norm, scalar};
 use crate::models::gemma::per_layer::{PerLayerInputs, PerLayerSource};
+use crate::models::layers::{Layers, Schedule};
 use crate::nn::cache::{KvCache, LayerMask};
 use crate::nn::rope::Positions;
-use crate::weights::layers::{Layers, Schedule};
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
 
 /// Where a checkpoint keeps the text decoder's weights.
@@ -44,7 +47,7 @@ impl KeyPrefixes {
     /// The prefixes the files use: a multimodal checkpoint's text weights
     /// sit under `language_model.model.` (mlx_lm) or
     /// `model.language_model.` (Hugging Face).
-    pub(crate) fn find(spec: &GemmaSpec, w: &Weights<'_>) -> Result<KeyPrefixes> {
+    pub(crate) fn find(spec: &GemmaSpec, set: &SafetensorsSet, dir: &Path) -> Result<KeyPrefixes> {
         if !spec.multimodal {
             return Ok(KeyPrefixes {
                 text: KeyPath::new("model"),
@@ -53,14 +56,15 @@ impl KeyPrefixes {
         }
         let has_embedding = |p: &KeyPath| {
             let table = p.join("embed_tokens");
-            w.has(&table.join("weight")) || w.has(&table.join("scales"))
+            let has = |k: &KeyPath| set.tensor(k.as_str()).is_some();
+            has(&table.join("weight")) || has(&table.join("scales"))
         };
         let text = ["language_model.model", "model.language_model"]
             .map(KeyPath::new)
             .into_iter()
             .find(has_embedding)
             .ok_or_else(|| Error::MissingWeight {
-                dir: w.dir.to_path_buf(),
+                dir: dir.to_path_buf(),
                 key: "language_model.model.embed_tokens.weight (the text decoder's weights)".into(),
             })?;
         Ok(KeyPrefixes {
@@ -86,7 +90,19 @@ pub(crate) const FAMILY: Family = Family {
             fields, config, multimodal,
         )?)))
     },
-    layers_prefix: |config, w| Ok(KeyPrefixes::find(spec_of(config)?, w)?.text.join("layers")),
+    layers_prefix: |config, set, dir| {
+        Ok(KeyPrefixes::find(spec_of(config)?, set, dir)?
+            .text
+            .join("layers"))
+    },
+    part_of: |layers, key| match layers.parse(key) {
+        Ok(Some((i, _))) => Part::Layer(i),
+        _ => match module_name(key) {
+            "embed_tokens" => Part::Table,
+            "embed_tokens_per_layer" => Part::SharedTable,
+            _ => Part::Rest,
+        },
+    },
     // Gemma 4's KV-shared layers read their source layer's keys and values
     // within the same forward.
     can_cut_before: |config, i| {
@@ -128,7 +144,7 @@ impl Gemma {
         w: &Weights<'_>,
         stage: &Stage,
     ) -> Result<Gemma> {
-        let prefixes = KeyPrefixes::find(spec, w)?;
+        let prefixes = KeyPrefixes::find(spec, w.set, w.dir)?;
         let p = &prefixes.text;
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
         let n = config.num_hidden_layers;

@@ -8,6 +8,7 @@ use mlx_rs::Array;
 use crate::error::Result;
 use crate::evaluation::{evaluate, Why};
 use crate::nn::row_groups::RowGroup;
+use crate::ops::at_position;
 
 /// Room added whenever a row-owned buffer must grow, so that decoding
 /// appends in place instead of copying the whole cache at every step.
@@ -64,13 +65,6 @@ impl LayerMask {
             shared: self.shared.as_ref().map(|m| group.of_broadcast(m)),
         }
     }
-}
-
-/// `a`'s position `at` along `axis`, the axis kept (of length 1): what a
-/// forward keeps once only its last position is read (see
-/// `Model::forward_last`).
-pub(crate) fn at_position(a: &Array, axis: i32, at: i32) -> Result<Array> {
-    Ok(a.take_axis(Array::from_slice(&[at], &[1]), axis)?)
 }
 
 /// Keys and values of every layer for the positions seen so far.

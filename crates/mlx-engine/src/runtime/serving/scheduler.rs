@@ -9,7 +9,7 @@ use mlx_rs::Array;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::EngineError;
-use crate::evaluation::{evaluate, Why};
+use crate::evaluation::{host_slice, Why};
 use crate::models::Model;
 use crate::nn::cache::KvCache;
 use crate::runtime::prefill::{prefill_groups, prefill_into};
@@ -436,8 +436,7 @@ fn decode(
 /// The logits `(B, vocab)` on the host, as f32.
 fn host_logits(logits: &Array) -> crate::Result<Vec<f32>> {
     let logits = logits.as_dtype(mlx_rs::Dtype::Float32)?;
-    evaluate(Why::Host, [&logits])?;
-    Ok(logits.as_slice::<f32>().to_vec())
+    Ok(host_slice::<f32>(Why::Host, "logits", &logits)?.to_vec())
 }
 
 /// Picks a row's next token from its logits and hands it back; returns

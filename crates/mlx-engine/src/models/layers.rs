@@ -151,7 +151,7 @@ impl<L> Layers<L> {
             set: w.set.clone(),
             quant: w.quant.clone(),
             mode: w.mode,
-            products: w.products,
+            products: w.products.clone(),
             lora: w.lora.clone(),
             load: Box::new(load),
         };
@@ -240,7 +240,7 @@ impl<L> Stream<L> {
             set: &self.set,
             quant: &self.quant,
             mode: self.mode,
-            products: self.products,
+            products: self.products.clone(),
             memory: MemoryMode::Streamed,
             streamed: Some(StreamedBlock {
                 prefix: &self.prefix,
