@@ -11,20 +11,17 @@
 
 use std::collections::HashMap;
 use std::ops::{Deref, Range};
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
 use block_stream::{BlockLoraSource, BlockStreamer, CheckpointLoraFuser};
 use mlx_rs::Array;
-use mlx_support::QuantizationConfig;
-use st_mmap::{BlockPrefix, SafetensorsSet};
+use st_mmap::BlockPrefix;
 
 use crate::error::{Error, Result};
 use crate::evaluation::{evaluate, Why};
 use crate::nn::cache::KvCache;
-use crate::weights::kernels::Products;
 use crate::weights::memory_mode::MemoryMode;
-use crate::weights::{KeyPath, QuantizedWeights, StreamedBlock, Weights};
+use crate::weights::{KeyPath, StreamedBlock, WeightSource, Weights};
 
 /// Builds layer `i` from the weights.
 type LoadLayer<L> = Box<dyn Fn(&Weights<'_>, usize) -> Result<L> + Send + Sync>;
@@ -88,12 +85,7 @@ impl Schedule {
 pub(crate) struct Stream<L> {
     streamer: Mutex<BlockStreamer>,
     prefix: BlockPrefix,
-    dir: PathBuf,
-    set: Arc<SafetensorsSet>,
-    quant: QuantizationConfig,
-    mode: QuantizedWeights,
-    products: Products,
-    lora: Arc<Vec<BlockLoraSource>>,
+    source: WeightSource,
     load: LoadLayer<L>,
 }
 
@@ -133,7 +125,7 @@ impl<L> Layers<L> {
         range: Range<usize>,
         load: impl Fn(&Weights<'_>, usize) -> Result<L> + Send + Sync + 'static,
     ) -> Result<Layers<L>> {
-        if w.memory != MemoryMode::Streamed {
+        if w.plan.memory != MemoryMode::Streamed {
             let held = range.clone().map(|i| load(w, i)).collect::<Result<_>>()?;
             return Ok(Layers {
                 range,
@@ -147,12 +139,7 @@ impl<L> Layers<L> {
         let stream = Stream {
             streamer: Mutex::new(streamer),
             prefix,
-            dir: w.dir.to_path_buf(),
-            set: w.set.clone(),
-            quant: w.quant.clone(),
-            mode: w.mode,
-            products: w.products.clone(),
-            lora: w.lora.clone(),
+            source: w.source.clone(),
             load: Box::new(load),
         };
         for i in range.clone() {
@@ -225,7 +212,7 @@ impl<L> Stream<L> {
     /// Layer `i` built from its block's lazy loads, adapted by the LoRA
     /// sources.
     fn layer(&self, i: usize) -> Result<L> {
-        let sources: Vec<&BlockLoraSource> = self.lora.iter().collect();
+        let sources: Vec<&BlockLoraSource> = self.source.lora.iter().collect();
         let weights = self
             .streamer
             .lock()
@@ -233,22 +220,13 @@ impl<L> Stream<L> {
             // streamer's only mutable state is a cache of lazy loads.
             .unwrap_or_else(PoisonError::into_inner)
             .block_weights(i, &sources)
-            .map_err(|e| stream_error(&self.dir, e))?;
+            .map_err(|e| stream_error(&self.source.dir, e))?;
         let params: HashMap<String, Array> = weights.into_iter().collect();
-        let w = Weights {
-            dir: &self.dir,
-            set: &self.set,
-            quant: &self.quant,
-            mode: self.mode,
-            products: self.products.clone(),
-            memory: MemoryMode::Streamed,
-            streamed: Some(StreamedBlock {
-                prefix: &self.prefix,
-                index: i,
-                params: &params,
-            }),
-            lora: &self.lora,
-        };
+        let w = self.source.streamed(StreamedBlock {
+            prefix: &self.prefix,
+            index: i,
+            params: &params,
+        });
         (self.load)(&w, i)
     }
 }

@@ -15,7 +15,8 @@ use crate::models::checkpoint::Checkpoint;
 use crate::models::Model;
 use crate::weights::kernels::{Kernels, Products};
 use crate::weights::memory_mode::MemoryMode;
-use crate::weights::{QuantizedWeights, Weights};
+use crate::weights::plan::Plan;
+use crate::weights::{QuantizedWeights, WeightSource};
 
 /// How to load a model folder: [`Model::loader`] (or
 /// [`Checkpoint::loader`]), then the settings, then [`load`](Self::load).
@@ -140,12 +141,6 @@ impl ModelLoader {
             },
             memory: memory_for(&checkpoint, self.memory, !self.lora.is_empty())?,
         };
-        tracing::info!(
-            memory = ?settings.memory,
-            quantized = ?settings.quantized,
-            kernels = ?settings.kernels,
-            "loading the model"
-        );
         load(checkpoint, &settings, self.lora, &self.placement)
     }
 }
@@ -183,19 +178,21 @@ fn load(
 ) -> Result<Model> {
     let stage = stage_of(&checkpoint, settings.memory, placement)?;
     let family = checkpoint.family();
-    let lora = Arc::new(lora);
     let config = checkpoint.config();
-    let w = Weights {
-        dir: checkpoint.dir(),
-        set: checkpoint.set(),
-        quant: &config.quantization,
-        mode: settings.quantized,
-        products: Products::at_load(settings.kernels)?,
+    let plan = Plan {
+        quantized: settings.quantized,
         memory: settings.memory,
-        streamed: None,
-        lora: &lora,
+        products: Products::at_load(settings.kernels)?,
     };
-    let decoder = (family.load)(config, &w, &stage)?;
+    tracing::info!(?plan, "how the weights are held");
+    let source = WeightSource {
+        dir: checkpoint.dir().to_path_buf(),
+        set: checkpoint.set().clone(),
+        quant: config.quantization.clone(),
+        plan,
+        lora: Arc::new(lora),
+    };
+    let decoder = (family.load)(config, &source.weights(), &stage)?;
     if let Some(group) = placement.group() {
         let layers = stage.is_split().then(|| stage.layers());
         distributed::agree(group, checkpoint.dir(), checkpoint.set(), layers)?;

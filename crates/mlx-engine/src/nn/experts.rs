@@ -361,7 +361,7 @@ mod tests {
         };
         let (router, s, b) = quantize(normal(&[EXPERTS, HIDDEN], 1), 32, 4).unwrap();
         Experts {
-            router: Linear::packed_on_use(router, s, b, Q),
+            router: crate::weights::linear::packed_on_use(router, s, b, Q),
             stacks: [
                 packed(&[EXPERTS, INTER, HIDDEN], 2),
                 packed(&[EXPERTS, INTER, HIDDEN], 3),

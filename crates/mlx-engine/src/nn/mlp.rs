@@ -18,7 +18,7 @@ use mlx_rs::Array;
 use crate::error::Result;
 use crate::evaluation::{evaluate, Why};
 use crate::weights::slices::slice_rows;
-use crate::weights::{Linear, OnUse};
+use crate::weights::Linear;
 
 /// The f32 bytes of one slice's activations at most, e.g. its gate
 /// columns for every row: a slice is evaluated as one graph, which holds
@@ -33,32 +33,33 @@ pub(crate) fn gated_mlp(
     down: &Linear,
     act: impl Fn(&Array, &Array) -> Result<Array>,
 ) -> Result<Array> {
-    // Dense, packed for MLX's quantized products, or unpacked in
-    // different ways: the whole block at once.
+    // Weights taken whole by their products (dense, packed for MLX's
+    // quantized products, with a bias, or unpacked in different ways):
+    // the whole block at once.
     let whole = || down.forward(&act(&gate.forward(x)?, &up.forward(x)?)?);
-    let parts = [gate, up, down].map(Linear::unpacked_on_use);
-    let [Some(g), Some(u), Some(d)] = parts else {
+    let groups = [gate, up, down].map(|l| l.slice_group());
+    let [Some(q), Some(u), Some(d)] = groups else {
         return whole();
     };
-    if g.q() != u.q() || g.q() != d.q() {
+    if q != u || q != d {
         return whole();
     }
     // As wide as one unpacked 16 MiB slice of a row-major matrix (see
     // `slice_rows`), and narrower where the rows' activations of a slice
     // would pass `ACTIVATION_BYTES`; in whole quantization groups.
-    let group = g.q().group_size as usize;
+    let group = q.group_size as usize;
     let dim = x.dim(-1) as usize;
     let rows = x.size() / dim.max(1);
     let columns = slice_rows(dim).min(ACTIVATION_BYTES / (4 * rows).max(1));
     let width = (columns / group).max(1) * group;
-    in_slices(x, [g, u, d], &act, width)
+    in_slices(x, [gate, up, down], &act, width)
 }
 
 /// [`gated_mlp`] a `width` of intermediate columns at a time, each slice's
 /// share of the output evaluated before the next slice exists.
 fn in_slices(
     x: &Array,
-    [gate, up, down]: [OnUse<'_>; 3],
+    [gate, up, down]: [&Linear; 3],
     act: &impl Fn(&Array, &Array) -> Result<Array>,
     width: usize,
 ) -> Result<Array> {
@@ -66,10 +67,10 @@ fn in_slices(
     let slice = |start: usize| -> Result<Array> {
         let columns = start..(start + width).min(inner);
         let activated = act(
-            &gate.product_with_rows(x, columns.clone())?,
-            &up.product_with_rows(x, columns.clone())?,
+            &gate.forward_outputs(x, columns.clone())?,
+            &up.forward_outputs(x, columns.clone())?,
         )?;
-        down.product_with_columns(&activated, columns)
+        down.forward_columns(&activated, columns)
     };
     let mut out = slice(0)?;
     evaluate(Why::Piece, [&out])?;
@@ -94,7 +95,7 @@ mod tests {
         let key = random::key(seed).unwrap();
         let w = random::normal::<f32>(&[rows, cols], None, None, &key).unwrap();
         let (weight, scales, biases) = quantize(&w, 32, 4).unwrap();
-        Linear::packed_on_use(
+        crate::weights::linear::packed_on_use(
             weight,
             scales,
             biases,
@@ -123,8 +124,7 @@ mod tests {
             .forward(&act(&gate.forward(&x).unwrap(), &up.forward(&x).unwrap()).unwrap())
             .unwrap();
         for width in [32, 64, 96, 224, 256] {
-            let parts = [&gate, &up, &down].map(|l| l.unpacked_on_use().unwrap());
-            let sliced = in_slices(&x, parts, &act, width).unwrap();
+            let sliced = in_slices(&x, [&gate, &up, &down], &act, width).unwrap();
             assert_eq!(sliced.shape(), whole.shape());
             let diff = max_abs_diff(&sliced, &whole);
             let scale = whole.abs().unwrap().max(None).unwrap().item_exact::<f32>();

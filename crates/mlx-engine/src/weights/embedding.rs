@@ -1,77 +1,92 @@
-//! Token embedding tables: looked up, gathered for some tokens, and used
-//! as the tied output head, in memory (dense or packed) or left in the
-//! files.
+//! Token embedding tables behind one narrow trait: looked up, gathered
+//! for some tokens, and used as the tied output head. One implementation
+//! per way a table is held, chosen at load: dense rows ([`DenseTable`]),
+//! packed rows ([`PackedTable`], its head product the packed [`Linear`]
+//! the plan chose), or left in the files (`MappedTable`).
 
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use crate::error::Result;
-use crate::weights::mapped::MappedTable;
+use crate::weights::linear::Linear;
 use crate::weights::packed::Packed;
 use crate::weights::rows::GatheredRows;
 use crate::weights::slices::{head_slice_rows, in_row_slices};
 
-/// A token embedding table.
-pub(crate) enum Embedding {
-    /// Dense rows `(vocab, dim)`. As a tied output head they are multiplied
-    /// as they are, `x · rowsᵀ` (BLAS's transpose flag), not transposed at
-    /// load as [`Linear`] weights are: with the vocabulary as the product's
-    /// columns that layout is the faster one at every row count measured
-    /// (SmolLM2's head, 8 rows: 13 against 20 ms on two OpenBLAS threads;
-    /// CHANGELOG.md), in the head's slices, as a table left in the
-    /// files is.
-    Dense(Array),
-    /// Packed rows: gathered rows are dequantized.
-    Packed { weight: Array, packed: Packed },
-    /// Left in the files ([`MemoryMode::MappedTables`]).
-    Mapped(Box<MappedTable>),
-}
+/// A token embedding table as the model holds it.
+pub(crate) type Embedding = Box<dyn Table>;
 
-impl Embedding {
+/// What a model asks of an embedding table.
+pub(crate) trait Table {
     /// The rows of `tokens` `(B, L)`: `(B, L, dim)`.
-    pub fn lookup(&self, tokens: &Array) -> Result<Array> {
-        Ok(match self {
-            Embedding::Dense(rows) => rows.take_axis(tokens, 0)?,
-            Embedding::Packed { weight, packed } => packed.dense_rows(
-                &weight.take_axis(tokens, 0)?,
-                &packed.scales.take_axis(tokens, 0)?,
-                &packed.biases.take_axis(tokens, 0)?,
-            )?,
-            Embedding::Mapped(table) => table.lookup(tokens)?,
-        })
-    }
+    fn lookup(&self, tokens: &Array) -> Result<Array>;
 
     /// The rows of `tokens` `(B, L)` as the table holds them, to be
     /// unpacked a range of columns at a time.
-    pub fn gather(&self, tokens: &Array) -> Result<GatheredRows> {
-        Ok(match self {
-            Embedding::Dense(_) => GatheredRows::Dense(self.lookup(tokens)?),
-            Embedding::Packed { weight, packed } => GatheredRows::Packed {
-                weight: weight.take_axis(tokens, 0)?,
-                scales: packed.scales.take_axis(tokens, 0)?,
-                biases: packed.biases.take_axis(tokens, 0)?,
-                q: packed.q,
-                f32_rows: false,
-            },
-            Embedding::Mapped(table) => table.gather(tokens)?,
+    fn gather(&self, tokens: &Array) -> Result<GatheredRows>;
+
+    /// `x · tableᵀ`: the tied output projection, `(…, vocab)`.
+    fn as_linear(&self, x: &Array) -> Result<Array>;
+}
+
+/// Dense rows `(vocab, dim)`. As a tied output head they are multiplied as
+/// they are, `x · rowsᵀ` (BLAS's transpose flag), not transposed at load as
+/// [`Linear`] weights are: with the vocabulary as the product's columns
+/// that layout is the faster one at every row count measured (SmolLM2's
+/// head, 8 rows: 13 against 20 ms on two OpenBLAS threads; CHANGELOG.md),
+/// in the head's slices, as a table left in the files is.
+pub(crate) struct DenseTable(pub Array);
+
+impl Table for DenseTable {
+    fn lookup(&self, tokens: &Array) -> Result<Array> {
+        Ok(self.0.take_axis(tokens, 0)?)
+    }
+
+    fn gather(&self, tokens: &Array) -> Result<GatheredRows> {
+        Ok(GatheredRows::Dense(self.lookup(tokens)?))
+    }
+
+    fn as_linear(&self, x: &Array) -> Result<Array> {
+        let rows = &self.0;
+        let vocab = rows.dim(0) as usize;
+        in_row_slices(vocab, head_slice_rows(rows.dim(1) as usize), |r| {
+            Ok(x.matmul(rows.index(r.start as i32..r.end as i32).t())?)
+        })
+    }
+}
+
+/// Packed rows: gathered rows are unpacked (to the scales' dtype, as
+/// mlx_lm's lookup does); as the head, the packed layer `head` of the same
+/// arrays.
+pub(crate) struct PackedTable {
+    pub weight: Array,
+    pub packed: Packed,
+    pub head: Linear,
+}
+
+impl Table for PackedTable {
+    fn lookup(&self, tokens: &Array) -> Result<Array> {
+        let packed = &self.packed;
+        packed.dense_rows(
+            &self.weight.take_axis(tokens, 0)?,
+            &packed.scales.take_axis(tokens, 0)?,
+            &packed.biases.take_axis(tokens, 0)?,
+        )
+    }
+
+    fn gather(&self, tokens: &Array) -> Result<GatheredRows> {
+        let packed = &self.packed;
+        Ok(GatheredRows::Packed {
+            weight: self.weight.take_axis(tokens, 0)?,
+            scales: packed.scales.take_axis(tokens, 0)?,
+            biases: packed.biases.take_axis(tokens, 0)?,
+            q: packed.q,
+            f32_rows: false,
         })
     }
 
-    /// `x · tableᵀ`: the tied output projection, `(…, vocab)`.
-    pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        Ok(match self {
-            Embedding::Dense(rows) => {
-                let vocab = rows.dim(0) as usize;
-                in_row_slices(vocab, head_slice_rows(rows.dim(1) as usize), |r| {
-                    Ok(x.matmul(rows.index(r.start as i32..r.end as i32).t())?)
-                })?
-            }
-            Embedding::Packed { weight, packed } if !packed.dequantize_on_use => {
-                packed.quantized_matmul(x, weight)?
-            }
-            Embedding::Mapped(table) => table.as_linear(x)?,
-            Embedding::Packed { weight, packed } => packed.product_in_slices(x, weight)?,
-        })
+    fn as_linear(&self, x: &Array) -> Result<Array> {
+        self.head.forward(x)
     }
 }
 
@@ -91,7 +106,13 @@ mod tests {
             group_size: 32,
             bits: 4,
         };
-        let table = Embedding::Packed {
+        let head = crate::weights::linear::packed_on_use(
+            weight.clone(),
+            scales.clone(),
+            biases.clone(),
+            q,
+        );
+        let table = PackedTable {
             weight,
             packed: Packed {
                 scales,
@@ -100,6 +121,7 @@ mod tests {
                 dequantize_on_use: true,
                 on_host: None,
             },
+            head,
         };
         let tokens = Array::from_slice(&[3, 1, 4, 1, 5, 9], &[2, 3]);
         let looked_up = table.lookup(&tokens).unwrap();

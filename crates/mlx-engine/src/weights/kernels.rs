@@ -57,6 +57,11 @@ impl Kernels {
 /// model owns.
 #[derive(Debug, Clone)]
 pub(crate) struct Products {
+    /// The kernels asked for, and the device: what the plan prints.
+    #[expect(dead_code, reason = "read where the load's plan is printed")]
+    kernels: Kernels,
+    #[expect(dead_code, reason = "read where the load's plan is printed")]
+    device: mlx_support::ComputeDevice,
     /// Where the native kernels run: `None` where they do not (portable
     /// kernels, the GPU, a CPU without AVX-512F).
     host: Option<HostKernels>,
@@ -79,7 +84,11 @@ impl Products {
         } else {
             None
         };
-        Ok(Products { host })
+        Ok(Products {
+            kernels,
+            device,
+            host,
+        })
     }
 
     /// The kernels that hold a dense weight `(outputs, inputs)` of `dtype`

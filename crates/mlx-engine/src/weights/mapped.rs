@@ -24,6 +24,7 @@ use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
 use crate::evaluation::{host_slice, Why};
+use crate::weights::embedding::Table;
 use crate::weights::kernels::HostKernels;
 use crate::weights::quantized::QuantizedWeights;
 use crate::weights::rows::GatheredRows;
@@ -104,11 +105,6 @@ impl MappedTable {
         }
     }
 
-    /// The rows of `tokens` `(B, L)`: `(B, L, dim)`.
-    pub fn lookup(&self, tokens: &Array) -> Result<Array> {
-        self.unpacked(&self.gathered(tokens)?)
-    }
-
     /// The rows of `tokens`, each distinct one read from the file once.
     fn gathered(&self, tokens: &Array) -> Result<Rows> {
         // A prefill piece is a column slice of the padded block: copied
@@ -148,74 +144,6 @@ impl MappedTable {
                 Some((s, b)) => Some((s.take_axis(&position, 0)?, b.take_axis(&position, 0)?)),
                 None => None,
             },
-        })
-    }
-
-    /// The rows of `tokens` as the file holds them (see
-    /// [`Embedding::gather`](crate::weights::Embedding::gather)).
-    pub fn gather(&self, tokens: &Array) -> Result<GatheredRows> {
-        let rows = self.gathered(tokens)?;
-        Ok(match (&self.packing, rows.packing) {
-            (Some(p), Some((scales, biases))) => GatheredRows::Packed {
-                weight: rows.weight,
-                scales,
-                biases,
-                q: p.q,
-                f32_rows: p.f32_rows,
-            },
-            _ => GatheredRows::Dense(rows.weight),
-        })
-    }
-
-    /// `x · tableᵀ`: the tied output projection, `(…, vocab)`, a slice of
-    /// rows read at a time.
-    pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        let mut step = head_slice_rows(self.dim);
-        let kernel = self
-            .packing
-            .as_ref()
-            .and_then(|p| p.on_host.as_ref())
-            .filter(|_| self.vocab.is_multiple_of(few_rows::PANEL));
-        if kernel.is_some() {
-            // Slices the kernel takes whole, so that every output is its
-            // sum, as in the resident head's one product.
-            step = (step / few_rows::PANEL).max(1) * few_rows::PANEL;
-        }
-        in_row_slices(self.vocab, step, |range| {
-            // A dense table's rows, multiplied as the resident head's are.
-            let Some(p) = &self.packing else {
-                let rows = self.read_tensor(&self.weight, std::slice::from_ref(&range))?;
-                return Ok(x.matmul(rows.t())?);
-            };
-            let rows = self.read(std::slice::from_ref(&range))?;
-            let (scales, biases) = rows
-                .packing
-                .as_ref()
-                .ok_or_else(|| self.missing(&p.scales))?;
-            if let Some(kernels) = kernel {
-                let n = range.len();
-                let product = packed_product::product(
-                    x,
-                    &rows.weight,
-                    scales,
-                    biases,
-                    p.q,
-                    0..n,
-                    0..self.dim,
-                    kernels,
-                )?;
-                if let Some(y) = product {
-                    return Ok(y);
-                }
-            }
-            Ok(if p.quantized_head {
-                let (gs, bits) = (p.q.group_size, p.q.bits);
-                mlx_rs::ops::quantized_matmul(x, &rows.weight, scales, biases, true, gs, bits)?
-            } else {
-                // The resident heads of both modes are multiplied as
-                // `x · rowsᵀ`, in f32.
-                x.matmul(dequantize_f32(&rows.weight, scales, biases, p.q)?.t())?
-            })
         })
     }
 
@@ -281,6 +209,80 @@ impl MappedTable {
     }
 }
 
+impl Table for MappedTable {
+    /// The rows of `tokens` `(B, L)`: `(B, L, dim)`.
+    fn lookup(&self, tokens: &Array) -> Result<Array> {
+        self.unpacked(&self.gathered(tokens)?)
+    }
+
+    /// The rows of `tokens` as the file holds them.
+    fn gather(&self, tokens: &Array) -> Result<GatheredRows> {
+        let rows = self.gathered(tokens)?;
+        Ok(match (&self.packing, rows.packing) {
+            (Some(p), Some((scales, biases))) => GatheredRows::Packed {
+                weight: rows.weight,
+                scales,
+                biases,
+                q: p.q,
+                f32_rows: p.f32_rows,
+            },
+            _ => GatheredRows::Dense(rows.weight),
+        })
+    }
+
+    /// `x · tableᵀ`: the tied output projection, `(…, vocab)`, a slice of
+    /// rows read at a time.
+    fn as_linear(&self, x: &Array) -> Result<Array> {
+        let mut step = head_slice_rows(self.dim);
+        let kernel = self
+            .packing
+            .as_ref()
+            .and_then(|p| p.on_host.as_ref())
+            .filter(|_| self.vocab.is_multiple_of(few_rows::PANEL));
+        if kernel.is_some() {
+            // Slices the kernel takes whole, so that every output is its
+            // sum, as in the resident head's one product.
+            step = (step / few_rows::PANEL).max(1) * few_rows::PANEL;
+        }
+        in_row_slices(self.vocab, step, |range| {
+            // A dense table's rows, multiplied as the resident head's are.
+            let Some(p) = &self.packing else {
+                let rows = self.read_tensor(&self.weight, std::slice::from_ref(&range))?;
+                return Ok(x.matmul(rows.t())?);
+            };
+            let rows = self.read(std::slice::from_ref(&range))?;
+            let (scales, biases) = rows
+                .packing
+                .as_ref()
+                .ok_or_else(|| self.missing(&p.scales))?;
+            if let Some(kernels) = kernel {
+                let n = range.len();
+                let product = packed_product::product(
+                    x,
+                    &rows.weight,
+                    scales,
+                    biases,
+                    p.q,
+                    0..n,
+                    0..self.dim,
+                    kernels,
+                )?;
+                if let Some(y) = product {
+                    return Ok(y);
+                }
+            }
+            Ok(if p.quantized_head {
+                let (gs, bits) = (p.q.group_size, p.q.bits);
+                mlx_rs::ops::quantized_matmul(x, &rows.weight, scales, biases, true, gs, bits)?
+            } else {
+                // The resident heads of both modes are multiplied as
+                // `x · rowsᵀ`, in f32.
+                x.matmul(dequantize_f32(&rows.weight, scales, biases, p.q)?.t())?
+            })
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use mlx_rs::ops::indexing::IndexOp;
@@ -319,7 +321,7 @@ mod tests {
         assert_eq!(rows.as_slice::<f32>(), wanted.as_slice::<f32>());
 
         let head = mapped.as_linear(&x).unwrap();
-        let resident = crate::weights::Embedding::Dense(table)
+        let resident = crate::weights::embedding::DenseTable(table)
             .as_linear(&x)
             .unwrap();
         assert_eq!(head.shape(), &[3, vocab as i32]);
@@ -385,18 +387,9 @@ mod tests {
         let keys = ["t.weight", "t.scales", "t.biases"].map(String::from);
         let mode = QuantizedWeights::DequantizeOnUse;
         let mapped = MappedTable::packed(set, keys, q, vocab, dim, (mode, None), true);
-        let resident = crate::weights::Embedding::Packed {
-            weight,
-            packed: crate::weights::Packed {
-                scales,
-                biases,
-                q,
-                dequantize_on_use: true,
-                on_host: None,
-            },
-        };
+        let resident = crate::weights::linear::packed_on_use(weight, scales, biases, q);
         let head = mapped.as_linear(&x).unwrap();
-        let wanted = resident.as_linear(&x).unwrap();
+        let wanted = resident.forward(&x).unwrap();
         assert_eq!(head.shape(), &[3, vocab as i32]);
         assert_eq!(head.as_slice::<f32>(), wanted.as_slice::<f32>());
     }

@@ -9,11 +9,13 @@ pub(crate) mod embedding;
 pub(crate) mod few_rows;
 pub(crate) mod kernels;
 pub(crate) mod key;
+pub(crate) mod linear;
 pub(crate) mod mapped;
 pub(crate) mod memory_mode;
 pub(crate) mod packed;
 pub(crate) mod packed_product;
 pub(crate) mod packed_routed;
+pub(crate) mod plan;
 pub(crate) mod quantized;
 pub(crate) mod routed;
 pub(crate) mod rows;
@@ -21,12 +23,9 @@ pub(crate) mod slices;
 pub(crate) mod unpack;
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::quantized_matmul;
 use mlx_rs::Array;
 use mlx_support::{array_from_bytes, Quantization, QuantizationConfig};
 use st_mmap::{SafetensorsSet, TensorView};
@@ -34,32 +33,67 @@ use st_mmap::{SafetensorsSet, TensorView};
 use crate::error::{Error, Result};
 use crate::evaluation::{evaluate, Why};
 pub(crate) use crate::weights::embedding::Embedding;
-use crate::weights::kernels::{HostKernels, Products};
+use crate::weights::embedding::{DenseTable, PackedTable};
 pub(crate) use crate::weights::key::KeyPath;
+pub(crate) use crate::weights::linear::Linear;
+use crate::weights::linear::{InPanels, Transposed};
 use crate::weights::mapped::MappedTable;
-use crate::weights::memory_mode::MemoryMode;
 pub(crate) use crate::weights::packed::Packed;
+use crate::weights::plan::Plan;
 pub use crate::weights::quantized::QuantizedWeights;
 pub(crate) use crate::weights::rows::GatheredRows;
-use crate::weights::unpack::{dequantize_f32, packed_span};
+
+/// What a model's weights are read from and how they are held: the one
+/// place a [`Weights`] view is made, at load and for each streamed layer.
+#[derive(Clone)]
+pub(crate) struct WeightSource {
+    pub dir: PathBuf,
+    pub set: Arc<SafetensorsSet>,
+    pub quant: QuantizationConfig,
+    pub plan: Plan,
+    /// Adapters applied to streamed layers as they are read.
+    pub lora: Arc<Vec<block_stream::BlockLoraSource>>,
+}
+
+impl WeightSource {
+    /// The weights as the load reads them.
+    pub(crate) fn weights(&self) -> Weights<'_> {
+        self.view(None)
+    }
+
+    /// One streamed layer's weights, taken from `block`.
+    pub(crate) fn streamed<'a>(&'a self, block: StreamedBlock<'a>) -> Weights<'a> {
+        self.view(Some(block))
+    }
+
+    fn view<'a>(&'a self, streamed: Option<StreamedBlock<'a>>) -> Weights<'a> {
+        Weights {
+            dir: &self.dir,
+            set: &self.set,
+            quant: &self.quant,
+            plan: &self.plan,
+            streamed,
+            source: self,
+        }
+    }
+}
 
 /// The weights of one model folder, read through a key prefix (`model.`,
-/// or `language_model.model.` in a multimodal checkpoint).
+/// or `language_model.model.` in a multimodal checkpoint). Made by a
+/// [`WeightSource`].
 pub(crate) struct Weights<'a> {
     pub dir: &'a Path,
     pub set: &'a Arc<SafetensorsSet>,
     pub quant: &'a QuantizationConfig,
-    pub mode: QuantizedWeights,
-    /// Which kernels multiply dense weights.
-    pub products: Products,
-    pub memory: MemoryMode,
+    /// How the weights are held and multiplied.
+    pub plan: &'a Plan,
     /// One streamed layer's weights ([`MemoryMode::Streamed`]): arrays
     /// are taken from here instead of copied from the files, and nothing
     /// is evaluated while the layer is built, so that its weights are read
     /// when (and only when) the layer runs.
     pub streamed: Option<StreamedBlock<'a>>,
-    /// Adapters applied to streamed layers as they are read.
-    pub lora: &'a Arc<Vec<block_stream::BlockLoraSource>>,
+    /// Where these came from (what a streamed layer is read again from).
+    pub source: &'a WeightSource,
 }
 
 /// One block's arrays as the streamer hands them out, by parameter name
@@ -153,8 +187,8 @@ impl Weights<'_> {
             scales: self.array(&module.join("scales"), &groups)?,
             biases: self.array(&module.join("biases"), &groups)?,
             q,
-            dequantize_on_use: self.mode != QuantizedWeights::Keep,
-            on_host: self.products.packed_for(q),
+            dequantize_on_use: self.plan.quantized != QuantizedWeights::Keep,
+            on_host: self.plan.products.packed_for(q),
         };
         Ok(Some((weight, packed)))
     }
@@ -208,14 +242,14 @@ impl Weights<'_> {
             let weight = self.array(&module.join("weight"), &[outputs, inputs])?;
             return self.dense_linear(&weight, bias);
         };
-        match self.mode {
-            QuantizedWeights::DequantizeF32 => self.dense_linear(&packed.dense_f32(&weight)?, bias),
-            QuantizedWeights::Keep | QuantizedWeights::DequantizeOnUse => Ok(Linear {
-                weight,
-                bias,
-                layout: Layout::Packed(packed),
-            }),
-        }
+        Ok(match self.plan.quantized {
+            QuantizedWeights::DequantizeF32 => {
+                return self.dense_linear(&packed.dense_f32(&weight)?, bias)
+            }
+            QuantizedWeights::Keep | QuantizedWeights::DequantizeOnUse => {
+                linear::packed(weight, packed, bias)
+            }
+        })
     }
 
     /// A dense linear layer of `weight` `(out, in)`, laid out once for its
@@ -227,10 +261,11 @@ impl Weights<'_> {
     /// one extra matrix at most and lanes read only computed arrays; in a
     /// streamed layer, when the layer runs.
     fn dense_linear(&self, weight: &Array, bias: Option<Array>) -> Result<Linear> {
-        let panels = self
+        let kernels = self
+            .plan
             .products
             .panels_for(weight.dim(0) as usize, weight.dtype());
-        let laid_out = if panels.is_some() {
+        let laid_out = if kernels.is_some() {
             few_rows::to_panels(weight)?
         } else {
             weight.t().contiguous()?
@@ -238,13 +273,16 @@ impl Weights<'_> {
         if self.streamed.is_none() {
             evaluate(Why::Load, [&laid_out])?;
         }
-        Ok(Linear {
-            weight: laid_out,
-            bias,
-            layout: match panels {
-                Some(kernels) => Layout::Panels(kernels),
-                None => Layout::Transposed,
-            },
+        Ok(match kernels {
+            Some(kernels) => Box::new(InPanels {
+                panels: laid_out,
+                bias,
+                kernels,
+            }),
+            None => Box::new(Transposed {
+                weight_t: laid_out,
+                bias,
+            }),
         })
     }
 
@@ -259,20 +297,38 @@ impl Weights<'_> {
         dim: usize,
         as_head: bool,
     ) -> Result<Embedding> {
-        if self.memory.maps_tables() {
+        if self.plan.memory.maps_tables() {
             return self.mapped_embedding(module, vocab, dim, as_head);
         }
         let packed = self.packed(module, vocab, dim)?;
         Ok(match packed {
-            None => Embedding::Dense(self.array(&module.join("weight"), &[vocab, dim])?),
-            Some((weight, packed)) if as_head && self.mode == QuantizedWeights::DequantizeF32 => {
+            None => Box::new(DenseTable(
+                self.array(&module.join("weight"), &[vocab, dim])?,
+            )),
+            Some((weight, packed))
+                if as_head && self.plan.quantized == QuantizedWeights::DequantizeF32 =>
+            {
                 // Evaluated here: lanes only read arrays computed before
                 // they start.
                 let rows = packed.dense_f32(&weight)?;
                 evaluate(Why::Load, [&rows])?;
-                Embedding::Dense(rows)
+                Box::new(DenseTable(rows))
             }
-            Some((weight, packed)) => Embedding::Packed { weight, packed },
+            Some((weight, packed)) => {
+                // The head product of the same arrays (handles, not copies).
+                let head = Packed {
+                    scales: packed.scales.clone(),
+                    biases: packed.biases.clone(),
+                    q: packed.q,
+                    dequantize_on_use: packed.dequantize_on_use,
+                    on_host: packed.on_host.clone(),
+                };
+                Box::new(PackedTable {
+                    head: linear::packed(weight.clone(), head, None),
+                    weight,
+                    packed,
+                })
+            }
         })
     }
 }
@@ -290,12 +346,12 @@ impl Weights<'_> {
         let weight = module.join("weight").to_string();
         let Some(q) = self.packing(module, vocab, dim)? else {
             self.view(&weight, &[vocab, dim])?;
-            return Ok(Embedding::Mapped(Box::new(MappedTable::dense(
+            return Ok(Box::new(MappedTable::dense(
                 self.set.clone(),
                 weight,
                 vocab,
                 dim,
-            ))));
+            )));
         };
         let (gs, bits) = (q.group_size as usize, q.bits as usize);
         self.view(&weight, &[vocab, dim * bits / 32])?;
@@ -306,179 +362,14 @@ impl Weights<'_> {
         );
         self.view(&scales, &groups)?;
         self.view(&biases, &groups)?;
-        Ok(Embedding::Mapped(Box::new(MappedTable::packed(
+        Ok(Box::new(MappedTable::packed(
             self.set.clone(),
             [weight, scales, biases],
             q,
             vocab,
             dim,
-            (self.mode, self.products.packed_for(q)),
+            (self.plan.quantized, self.plan.products.packed_for(q)),
             as_head,
-        ))))
-    }
-}
-
-/// A linear layer, `x @ Wᵀ + b`, dense or quantized.
-pub(crate) struct Linear {
-    /// Laid out as `layout` says.
-    weight: Array,
-    bias: Option<Array>,
-    layout: Layout,
-}
-
-/// How a [`Linear`] holds its weight.
-enum Layout {
-    /// Dense, `Wᵀ` `(in, out)`, multiplied by MLX.
-    Transposed,
-    /// Dense, in [`few_rows`] panels `(out / PANEL, in, PANEL)`, multiplied
-    /// by these kernels.
-    Panels(HostKernels),
-    /// Packed as stored, `(out, in / pack)`.
-    Packed(Packed),
-}
-
-impl Linear {
-    pub fn forward(&self, x: &Array) -> Result<Array> {
-        let y = match &self.layout {
-            Layout::Packed(p) if p.dequantize_on_use => p.product_in_slices(x, &self.weight)?,
-            Layout::Packed(p) => p.quantized_matmul(x, &self.weight)?,
-            Layout::Panels(kernels) => few_rows::product(x, &self.weight, kernels)?,
-            // MLX's `nn.Linear` adds its bias inside the product (`addmm`):
-            // one rounding, where a product then a sum rounds twice in
-            // bfloat16.
-            Layout::Transposed => match &self.bias {
-                Some(b) => return Ok(mlx_rs::ops::addmm(b, x, &self.weight, None, None)?),
-                None => x.matmul(&self.weight)?,
-            },
-        };
-        Ok(match &self.bias {
-            Some(b) => y.add(b)?,
-            None => y,
-        })
-    }
-}
-
-impl Linear {
-    /// The outputs `outputs` of [`forward`](Self::forward) alone, from
-    /// those rows of the weight.
-    pub(crate) fn forward_outputs(&self, x: &Array, outputs: Range<usize>) -> Result<Array> {
-        let r = outputs.start as i32..outputs.end as i32;
-        let y = match &self.layout {
-            Layout::Packed(p) if p.dequantize_on_use => {
-                p.product_with_rows(x, &self.weight, outputs)?
-            }
-            Layout::Packed(p) => quantized_matmul(
-                x,
-                self.weight.index(r.clone()),
-                p.scales.index(r.clone()),
-                &p.biases.index(r.clone()),
-                true,
-                p.q.group_size,
-                p.q.bits,
-            )?,
-            Layout::Panels(kernels) => self.panel_outputs(x, outputs, kernels)?,
-            Layout::Transposed => x.matmul(self.weight.index((.., r.clone())))?,
-        };
-        Ok(match &self.bias {
-            Some(b) => y.add(b.index(r))?,
-            None => y,
-        })
-    }
-
-    /// The product's `outputs` for a weight held in panels: from the panels
-    /// that hold them when they start and end on a panel's edge, else the
-    /// whole product's columns.
-    fn panel_outputs(
-        &self,
-        x: &Array,
-        outputs: Range<usize>,
-        kernels: &HostKernels,
-    ) -> Result<Array> {
-        let aligned = outputs.start.is_multiple_of(few_rows::PANEL)
-            && outputs.end.is_multiple_of(few_rows::PANEL);
-        if aligned {
-            let panels = self.weight.index(
-                (outputs.start / few_rows::PANEL) as i32..(outputs.end / few_rows::PANEL) as i32,
-            );
-            return few_rows::product(x, &panels, kernels);
-        }
-        let r = outputs.start as i32..outputs.end as i32;
-        Ok(x.matmul(few_rows::transposed(&self.weight)?.index((.., r)))?)
-    }
-
-    /// The packed weight, when it is unpacked before each product and the
-    /// layer has no bias: what the gated MLP (`nn/mlp.rs`) slices.
-    pub(crate) fn unpacked_on_use(&self) -> Option<OnUse<'_>> {
-        match (&self.layout, &self.bias) {
-            (Layout::Packed(packed), None) if packed.dequantize_on_use => Some(OnUse {
-                weight: &self.weight,
-                packed,
-            }),
-            _ => None,
-        }
-    }
-
-    /// A packed linear layer unpacked on use, for tests.
-    #[cfg(test)]
-    pub(crate) fn packed_on_use(
-        weight: Array,
-        scales: Array,
-        biases: Array,
-        q: Quantization,
-    ) -> Linear {
-        Linear {
-            weight,
-            bias: None,
-            layout: Layout::Packed(Packed {
-                scales,
-                biases,
-                q,
-                dequantize_on_use: true,
-                on_host: None,
-            }),
-        }
-    }
-}
-
-/// A packed weight without bias, unpacked before each product, taken in
-/// parts (see [`Linear::unpacked_on_use`]).
-pub(crate) struct OnUse<'a> {
-    weight: &'a Array,
-    packed: &'a Packed,
-}
-
-impl OnUse<'_> {
-    pub(crate) fn q(&self) -> Quantization {
-        self.packed.q
-    }
-
-    /// The output width.
-    pub(crate) fn outputs(&self) -> usize {
-        self.weight.dim(0) as usize
-    }
-
-    /// `x · W[rows]ᵀ`: the outputs `rows` alone.
-    pub(crate) fn product_with_rows(&self, x: &Array, rows: Range<usize>) -> Result<Array> {
-        self.packed.product_with_rows(x, self.weight, rows)
-    }
-
-    /// `x · W[:, columns]ᵀ` for `x` as wide as `columns`: the part of the
-    /// product summed over those inputs. `columns` are whole quantization
-    /// groups.
-    pub(crate) fn product_with_columns(&self, x: &Array, columns: Range<usize>) -> Result<Array> {
-        let p = self.packed;
-        if let Some(y) = p.on_kernel(x, self.weight, 0..self.outputs(), columns.clone())? {
-            return Ok(y);
-        }
-        let (words, groups, _) = packed_span(p.q, columns);
-        // Contiguous copies of the packed columns (an eighth of the f32
-        // slice at 4 bits): the unpacking reads its words as bytes.
-        let dense = dequantize_f32(
-            &self.weight.index((.., words)).contiguous()?,
-            &p.scales.index((.., groups.clone())).contiguous()?,
-            &p.biases.index((.., groups)).contiguous()?,
-            p.q,
-        )?;
-        Ok(x.matmul(dense.t())?)
+        )))
     }
 }

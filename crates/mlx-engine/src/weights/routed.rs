@@ -261,7 +261,7 @@ impl Weights<'_> {
     /// Whether routed experts stay in the files, read per forward for the
     /// experts chosen (every mode but resident).
     pub(crate) fn experts_in_files(&self) -> bool {
-        self.memory != MemoryMode::Resident
+        self.plan.memory != MemoryMode::Resident
     }
 
     /// `module`'s stacked experts `(experts, out, in)`, dense or packed as
@@ -302,13 +302,13 @@ impl Weights<'_> {
             }
             None => None,
         };
-        let unpack = self.mode != QuantizedWeights::Keep;
+        let unpack = self.plan.quantized != QuantizedWeights::Keep;
         // Only where every memory mode takes the experts per forward
         // (`DequantizeOnUse`), so that all of them multiply alike.
         let on_host = packing
             .as_ref()
-            .filter(|_| self.mode == QuantizedWeights::DequantizeOnUse)
-            .and_then(|(_, _, q)| self.products.packed_for(*q));
+            .filter(|_| self.plan.quantized == QuantizedWeights::DequantizeOnUse)
+            .and_then(|(_, _, q)| self.plan.products.packed_for(*q));
         let taken_bytes = match &packing {
             // The words, and a scale and a bias per group (f32 at most).
             Some((_, _, q)) if on_host.is_some() => {
@@ -336,7 +336,8 @@ impl Weights<'_> {
         };
         if in_files
             || widen
-            || (source.packing.is_some() && self.mode == QuantizedWeights::DequantizeOnUse)
+            || (source.packing.is_some()
+                && self.plan.quantized == QuantizedWeights::DequantizeOnUse)
         {
             return Ok(ExpertStack::Chosen(source));
         }

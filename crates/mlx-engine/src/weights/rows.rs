@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::weights::unpack::{dequantize_f32, packed_span};
 
 /// A table's rows for some tokens, `(B, L, …)`, as the table holds them
-/// (see [`Embedding::gather`]). Gemma 4 reads its per-layer table a layer's
+/// (see `Table::gather`). Gemma 4 reads its per-layer table a layer's
 /// columns at a time: the whole rows unpacked are 35 layers wide.
 pub(crate) enum GatheredRows {
     Dense(Array),
