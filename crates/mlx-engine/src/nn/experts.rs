@@ -12,7 +12,7 @@ use mlx_rs::Array;
 use crate::error::Result;
 use crate::evaluation::{evaluate, host_slice, Why};
 use crate::nn::fused::silu_mul;
-use crate::weights::routed::ExpertStack;
+use crate::weights::routed::{chosen_ids, renumbered_ids, Choices, ExpertStack};
 use crate::weights::Linear;
 
 /// The routed experts of one layer: stacked `(experts, out, in)` weights.
@@ -87,7 +87,7 @@ impl Experts {
         let per_expert: usize = self
             .stacks
             .iter()
-            .map(ExpertStack::taken_bytes_per_expert)
+            .map(|stack| stack.taken_bytes_per_expert())
             .sum();
         // The routing read once, where a stack takes its experts per
         // forward (`per_expert` above 0); else no groups, nothing taken.
@@ -134,20 +134,13 @@ impl Experts {
             }
             None => None,
         };
-        let product = |stack: &ExpertStack, a: &Array| -> Result<Array> {
-            match (stack, &taken) {
-                (ExpertStack::Chosen(source), Some((distinct, local))) => {
-                    source.take(distinct)?.product(a, local, sorted)
-                }
-                (ExpertStack::Chosen(source), None) => {
-                    let (distinct, local) = renumbered(chosen)?;
-                    source
-                        .take(&distinct)?
-                        .product(a, &arranged(&local)?, sorted)
-                }
-                (ExpertStack::Whole(matrices), _) => matrices.product(a, &global, sorted),
-            }
+        let choices = Choices {
+            global: &global,
+            taken: taken
+                .as_ref()
+                .map(|(distinct, local)| (&distinct[..], local)),
         };
+        let product = |stack: &ExpertStack, a: &Array| stack.product(a, &choices, sorted);
         let [gate, up, down] = &self.stacks;
         let up = product(up, &rows)?;
         let gate = product(gate, &rows)?;
@@ -274,45 +267,16 @@ impl Experts {
             Array::from_slice(global, shape),
             Array::from_slice(&local, shape),
         );
-        let product = |stack: &ExpertStack, a: &Array| -> Result<Array> {
-            match stack {
-                ExpertStack::Chosen(source) => source.take(group)?.product(a, &local, sorted),
-                ExpertStack::Whole(matrices) => matrices.product(a, &global, sorted),
-            }
+        let choices = Choices {
+            global: &global,
+            taken: Some((group, &local)),
         };
+        let product = |stack: &ExpertStack, a: &Array| stack.product(a, &choices, sorted);
         let [gate, up, down] = &self.stacks;
         let up = product(up, rows)?;
         let gate = product(gate, rows)?;
         product(down, &silu_mul(&gate, &up)?)
     }
-}
-
-/// `chosen` flattened, read to the host, and its distinct experts in
-/// ascending order.
-fn chosen_ids(chosen: &Array) -> Result<(Vec<u32>, Vec<usize>)> {
-    let flat = chosen.contiguous()?;
-    let ids: Vec<u32> = host_slice::<u32>(Why::Host, "routed experts", &flat)?.to_vec();
-    let mut distinct: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
-    distinct.sort_unstable();
-    distinct.dedup();
-    Ok((ids, distinct))
-}
-
-/// The distinct experts of `chosen` (ascending), and `chosen` renumbered
-/// as places among them. Reads the routing: it is computed here.
-fn renumbered(chosen: &Array) -> Result<(Vec<usize>, Array)> {
-    let (ids, distinct) = chosen_ids(chosen)?;
-    let local = renumbered_ids(&ids, &distinct, chosen.shape());
-    Ok((distinct, local))
-}
-
-/// Choices `ids` as places among `distinct`, laid out as `shape`.
-fn renumbered_ids(ids: &[u32], distinct: &[usize], shape: &[i32]) -> Array {
-    let local: Vec<u32> = ids
-        .iter()
-        .map(|&e| distinct.partition_point(|&d| d < e as usize) as u32)
-        .collect();
-    Array::from_slice(&local, shape)
 }
 
 #[cfg(test)]
@@ -357,7 +321,12 @@ mod tests {
                 Taken::Packed => (false, None),
                 Taken::OnHost => (true, Some(HostKernels::for_tests(2))),
             };
-            ExpertStack::chosen_in_memory(w, Some((s, b, Q)), unpack, on_host)
+            crate::weights::routed::ChosenSource::chosen_in_memory(
+                w,
+                Some((s, b, Q)),
+                unpack,
+                on_host,
+            )
         };
         let (router, s, b) = quantize(normal(&[EXPERTS, HIDDEN], 1), 32, 4).unwrap();
         Experts {

@@ -138,17 +138,91 @@ fn unpacked(
     Ok(ExpertMatrices::Dense(dense.swap_axes(-1, -2)?))
 }
 
-/// One projection's stacked experts.
-pub(crate) enum ExpertStack {
-    /// Every expert in memory as the products take them: chosen experts
-    /// are indexed directly.
-    Whole(ExpertMatrices),
-    /// Taken for the chosen experts at each forward: packed arrays in
-    /// memory unpacked on use, or anything left in the files.
-    Chosen(ChosenSource),
+/// The choices a routed product multiplies, in the products' order: each
+/// choice's expert by its number in the whole stack (`global`) and, where
+/// the caller has read them, the distinct experts of the choices
+/// (ascending) with each choice numbered among them (`taken`).
+pub(crate) struct Choices<'a> {
+    pub global: &'a Array,
+    pub taken: Option<(&'a [usize], &'a Array)>,
 }
 
-/// Where a [`ExpertStack::Chosen`] stack takes its experts from.
+/// What a forward asks of one projection's stacked experts, however they
+/// are held.
+pub(crate) trait RoutedExperts {
+    /// Each row of `x` times the matrix of its choice's expert (`sorted`:
+    /// the choices ascend).
+    fn product(&self, x: &Array, choices: &Choices<'_>, sorted: bool) -> Result<Array>;
+
+    /// Bytes of one expert's matrix as a forward takes it (unpacked to
+    /// f32, or read dense); 0 for a stack held whole, which takes nothing.
+    fn taken_bytes_per_expert(&self) -> usize;
+}
+
+/// One projection's stacked experts as the model holds them.
+pub(crate) type ExpertStack = Box<dyn RoutedExperts>;
+
+/// Every expert in memory as the products take them: chosen experts are
+/// indexed directly.
+pub(crate) struct WholeStack(ExpertMatrices);
+
+impl RoutedExperts for WholeStack {
+    fn product(&self, x: &Array, choices: &Choices<'_>, sorted: bool) -> Result<Array> {
+        self.0.product(x, choices.global, sorted)
+    }
+
+    fn taken_bytes_per_expert(&self) -> usize {
+        0
+    }
+}
+
+/// Taken for the chosen experts at each forward: packed arrays in memory
+/// unpacked on use, or anything left in the files.
+impl RoutedExperts for ChosenSource {
+    fn product(&self, x: &Array, choices: &Choices<'_>, sorted: bool) -> Result<Array> {
+        match choices.taken {
+            Some((distinct, local)) => self.take(distinct)?.product(x, local, sorted),
+            None => {
+                let (distinct, local) = renumbered(choices.global)?;
+                self.take(&distinct)?.product(x, &local, sorted)
+            }
+        }
+    }
+
+    fn taken_bytes_per_expert(&self) -> usize {
+        self.taken_bytes
+    }
+}
+
+/// `chosen` flattened, read to the host, and its distinct experts in
+/// ascending order.
+pub(crate) fn chosen_ids(chosen: &Array) -> Result<(Vec<u32>, Vec<usize>)> {
+    let flat = chosen.contiguous()?;
+    let ids: Vec<u32> = host_slice::<u32>(Why::Host, "routed experts", &flat)?.to_vec();
+    let mut distinct: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    Ok((ids, distinct))
+}
+
+/// The distinct experts of `chosen` (ascending) and the choices as places
+/// among them, laid out as `chosen`.
+pub(crate) fn renumbered(chosen: &Array) -> Result<(Vec<usize>, Array)> {
+    let (ids, distinct) = chosen_ids(chosen)?;
+    let local = renumbered_ids(&ids, &distinct, chosen.shape());
+    Ok((distinct, local))
+}
+
+/// Choices `ids` as places among `distinct`, laid out as `shape`.
+pub(crate) fn renumbered_ids(ids: &[u32], distinct: &[usize], shape: &[i32]) -> Array {
+    let local: Vec<u32> = ids
+        .iter()
+        .map(|&e| distinct.partition_point(|&d| d < e as usize) as u32)
+        .collect();
+    Array::from_slice(&local, shape)
+}
+
+/// Where a stack taken per forward takes its experts from.
 pub(crate) struct ChosenSource {
     /// Bytes of one expert's matrix as a forward takes it: packed for the
     /// kernel, else unpacked to f32.
@@ -172,16 +246,7 @@ enum StackPart {
     Files(FileStack),
 }
 
-impl ExpertStack {
-    /// Bytes of one expert's matrix as a forward takes it (unpacked to
-    /// f32, or read dense); 0 for a whole stack, which takes nothing.
-    pub(crate) fn taken_bytes_per_expert(&self) -> usize {
-        match self {
-            ExpertStack::Chosen(source) => source.taken_bytes,
-            ExpertStack::Whole(_) => 0,
-        }
-    }
-
+impl ChosenSource {
     /// A stack in memory taken per forward (unpacked when `packing` is
     /// given and `unpack`, multiplied packed by the kernel with
     /// `on_host`), for tests of how forwards take experts.
@@ -196,7 +261,7 @@ impl ExpertStack {
             Some((_, _, q)) => weight.dim(2) as usize * 32 / q.bits as usize,
             None => weight.dim(2) as usize,
         };
-        ExpertStack::Chosen(ChosenSource {
+        Box::new(ChosenSource {
             taken_bytes: weight.dim(1) as usize * inputs * 4,
             weight: StackPart::Memory(weight),
             packing: packing.map(|(s, b, q)| (StackPart::Memory(s), StackPart::Memory(b), q)),
@@ -339,7 +404,7 @@ impl Weights<'_> {
             || (source.packing.is_some()
                 && self.plan.quantized == QuantizedWeights::DequantizeOnUse)
         {
-            return Ok(ExpertStack::Chosen(source));
+            return Ok(Box::new(source));
         }
         let all: Vec<usize> = (0..experts).collect();
         let whole = source.take(&all)?;
@@ -351,7 +416,7 @@ impl Weights<'_> {
             | ExpertMatrices::Packed { .. }
             | ExpertMatrices::PackedOnHost { .. } => {}
         }
-        Ok(ExpertStack::Whole(whole))
+        Ok(Box::new(WholeStack(whole)))
     }
 }
 
