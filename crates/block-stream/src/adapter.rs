@@ -134,9 +134,11 @@ impl MlxLmAdapter {
 
     /// The adapter as a [`BlockLoraSource`] for blocks under `block_prefix`
     /// (a model's decoder layers, e.g. `model.layers.`), fused with mlx_lm's
-    /// arithmetic at its scale. Every pair must lie under the prefix: a
-    /// module elsewhere is [`Error::Adapter`], not silently left out.
-    pub fn block_source(&self, block_prefix: &str) -> Result<BlockLoraSource> {
+    /// arithmetic at its scale; the source keeps the file this adapter
+    /// mapped (it is not mapped again). Every pair must lie under the
+    /// prefix: a module elsewhere is [`Error::Adapter`], not silently left
+    /// out.
+    pub fn into_block_source(self, block_prefix: &str) -> Result<BlockLoraSource> {
         let prefix = BlockPrefix::new(block_prefix);
         for module in self.pairs.keys() {
             if prefix.parse(&format!("{module}.lora_a"))?.is_none() {
@@ -148,7 +150,7 @@ impl MlxLmAdapter {
                 });
             }
         }
-        BlockLoraSource::open_mlx_lm(&self.weights_path, block_prefix, self.scale)
+        BlockLoraSource::from_mlx_lm_file(self.file, self.weights_path, block_prefix, self.scale)
     }
 }
 
@@ -195,12 +197,13 @@ mod tests {
         let adapter = MlxLmAdapter::open(dir.path()).unwrap();
         assert_eq!(adapter.scale(), 8.0);
         assert_eq!(adapter.pairs().len(), 1);
-        let source = adapter.block_source("model.layers.").unwrap();
+        let source = adapter.into_block_source("model.layers.").unwrap();
         assert_eq!(source.strength(), 8.0);
         assert!(source.has_block(1) && !source.has_block(0));
         // Under another prefix, the module is outside the layers.
-        let err = adapter
-            .block_source("language_model.model.layers.")
+        let err = MlxLmAdapter::open(dir.path())
+            .unwrap()
+            .into_block_source("language_model.model.layers.")
             .unwrap_err();
         assert!(
             err.to_string().contains("not under the model's layers"),

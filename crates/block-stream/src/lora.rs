@@ -96,9 +96,35 @@ impl BlockLoraSource {
         layout: LoraLayout,
         key_mapper: impl Fn(&str) -> Option<String>,
     ) -> Result<Self> {
-        let (a_suffix, b_suffix) = suffixes(layout);
         let path = path.as_ref().to_path_buf();
         let file = SafetensorsFile::open(&path)?;
+        Self::from_file(file, path, block_prefix, strength, layout, key_mapper)
+    }
+
+    /// An mlx_lm adapter's file, already open (see [`open_mlx_lm`]), so
+    /// that an adapter folder read once is not mapped again.
+    ///
+    /// [`open_mlx_lm`]: Self::open_mlx_lm
+    pub(crate) fn from_mlx_lm_file(
+        file: SafetensorsFile,
+        path: PathBuf,
+        block_prefix: &str,
+        scale: f32,
+    ) -> Result<Self> {
+        Self::from_file(file, path, block_prefix, scale, LoraLayout::MlxLm, |k| {
+            Some(k.to_owned())
+        })
+    }
+
+    fn from_file(
+        file: SafetensorsFile,
+        path: PathBuf,
+        block_prefix: &str,
+        strength: f32,
+        layout: LoraLayout,
+        key_mapper: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
+        let (a_suffix, b_suffix) = suffixes(layout);
         let header = file.header();
         let prefix = BlockPrefix::new(block_prefix);
         let mut halves: BTreeMap<(usize, String), (Option<String>, Option<String>)> =

@@ -492,7 +492,7 @@ fn load(
         let prefix = checkpoint.block_prefix();
         for dir in &config.adapters {
             let source = block_stream::MlxLmAdapter::open(dir)
-                .and_then(|a| a.block_source(prefix.as_str()))
+                .and_then(|a| a.into_block_source(prefix.as_str()))
                 .map_err(|source| {
                     err(crate::Error::Stream {
                         dir: dir.clone(),
