@@ -12,8 +12,9 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let (dims, rest) = data.split_at(8);
-    let [rows, inputs, count, row_words, group, out_start, out_len, experts] =
-        dims.map(usize::from);
+    let dim = |i: usize| usize::from(dims[i]);
+    let (rows, inputs, count, row_words) = (dim(0), dim(1), dim(2), dim(3));
+    let (group, out_start, out_len, experts) = (dim(4), dim(5), dim(6), dim(7));
     let words: Vec<u32> = rest
         .chunks(4)
         .map(|c| c.iter().fold(0u32, |w, &b| w << 8 | u32::from(b)))

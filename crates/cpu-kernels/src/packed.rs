@@ -77,6 +77,14 @@ impl<'a> PackedMatrix<'a> {
         biases: Scales<'a>,
         group_size: usize,
     ) -> Result<PackedMatrix<'a>> {
+        // A group of no inputs is aligned to anything, and divides by zero.
+        if group_size == 0 {
+            return Err(Error::Unaligned {
+                what: "the group size",
+                value: 0,
+                multiple: 8,
+            });
+        }
         aligned("the group size", group_size, 8)?;
         let outputs = words.len().checked_div(row_words).unwrap_or(0);
         if outputs == 0 {
