@@ -54,6 +54,32 @@ pub(crate) fn model_files(dir: &Path, set: &SafetensorsSet) -> Result<Vec<FileDi
     Ok(files)
 }
 
+/// The model folder's files as one digest, in hex: what a prefix cache
+/// on disk is bound to.
+pub(crate) fn model_digest(dir: &Path, set: &SafetensorsSet) -> Result<String> {
+    Ok(hex(&combined(&model_files(dir, set)?)))
+}
+
+/// The files `paths` (each named by its path, absent ones as absent) as
+/// one digest, in hex.
+pub(crate) fn files_digest(paths: &[PathBuf]) -> Result<String> {
+    let cache = DigestCache::default_location();
+    let files = paths
+        .iter()
+        .map(|path| {
+            let digest = match path.is_file() {
+                true => Some(cache.digest(path)?),
+                false => None,
+            };
+            Ok(FileDigest {
+                name: path.display().to_string(),
+                digest,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(hex(&combined(&files)))
+}
+
 /// One digest of all of `files`, names included.
 pub(crate) fn combined(files: &[FileDigest]) -> [u8; 32] {
     let mut h = Sha256::new();

@@ -214,7 +214,22 @@ fn load(
         stage,
         settings.memory,
         settings.quantized,
+        arithmetic(settings),
     ))
+}
+
+/// What decides the loaded model's numbers besides its files (see
+/// `Model::arithmetic`).
+fn arithmetic(settings: &Settings) -> String {
+    format!(
+        "{:?}, {:?} kernels (AVX-512F: {}), {:?}, MLX {}, mlx-engine {}",
+        settings.quantized,
+        settings.kernels,
+        cpu_kernels::supported(),
+        mlx_support::current_device(),
+        mlx_support::mlx_version(),
+        env!("CARGO_PKG_VERSION"),
+    )
 }
 
 /// The layers this rank holds: all of them, or its pipeline stage's, as

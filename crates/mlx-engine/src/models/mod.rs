@@ -31,6 +31,9 @@ pub struct Model {
     /// The layers this process holds (all, unless it is a pipeline stage).
     stage: Stage,
     memory: MemoryMode,
+    /// What decides the model's numbers besides its files (see
+    /// [`arithmetic`](Self::arithmetic)).
+    arithmetic: String,
     pass_cost_tokens: usize,
 }
 
@@ -51,6 +54,7 @@ impl Model {
         stage: Stage,
         memory: MemoryMode,
         quantized: QuantizedWeights,
+        arithmetic: String,
     ) -> Model {
         // A pass over f32 weights streams 4 bytes per parameter (~10 GB/s
         // here) where a token's products do 2 FLOPs per parameter (~200
@@ -66,8 +70,18 @@ impl Model {
             decoder,
             stage,
             memory,
+            arithmetic,
             pass_cost_tokens,
         }
+    }
+
+    /// What decides this model's numbers besides its files: how packed
+    /// weights are multiplied, which kernels, the device, whether this CPU
+    /// has the project's kernels, MLX's version and the engine's. Two loads
+    /// with the same files and the same arithmetic compute the same bits
+    /// (the memory mode does not change them).
+    pub(crate) fn arithmetic(&self) -> &str {
+        &self.arithmetic
     }
 
     /// Where the model's weights live (as asked, or the load's default).

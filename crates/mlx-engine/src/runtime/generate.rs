@@ -15,6 +15,7 @@ use crate::nn::cache::KvCache;
 use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
 use crate::runtime::options::{GenerateOptions, LogitsProcessor, PrefixCache};
 use crate::runtime::prefill::{padded_block, prefill, prefill_groups, prefill_into, PREFILL_CHUNK};
+use crate::runtime::prefix_disk::{PrefixBinding, PrefixDisk};
 use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
 
 /// What generation keeps between requests.
@@ -48,6 +49,9 @@ pub(crate) struct GenSettings {
     pub special_tokens: SpecialTokens,
     pub prefix_cache: PrefixCache,
     pub placement: Placement,
+    /// Where the prefix's computed cache is kept across restarts, and what
+    /// it is bound to there.
+    pub prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
 }
 
 impl GenState {
@@ -80,6 +84,7 @@ impl GenState {
             special_tokens,
             prefix_cache: what_to_cache,
             placement,
+            prefix_disk,
         } = settings;
         let group = placement.group().map(|g| {
             let data = matches!(placement, Placement::DataParallel { .. });
@@ -96,8 +101,21 @@ impl GenState {
                 limit: max_prompt_tokens,
             });
         }
+        // The folder cannot know which token a logits processor would pick
+        // after the prefix, and each rank holds only its stage's layers.
+        let prefix_disk = prefix_disk.filter(|_| {
+            placement.group().is_none()
+                && !(what_to_cache == PrefixCache::WithGeneratedToken && processor.is_some())
+        });
+        let stored = prefix_disk
+            .as_ref()
+            .filter(|_| !prefix_tokens.is_empty())
+            .and_then(|(disk, binding)| disk.load(binding, &prefix_tokens));
         let mut prefix_cache = KvCache::new();
-        if !prefix_tokens.is_empty() {
+        if let Some(stored) = stored {
+            prefix_cache = stored;
+            prefix_cache.evaluate()?;
+        } else if !prefix_tokens.is_empty() {
             let _span =
                 tracing::info_span!("prefix_prefill", tokens = prefix_tokens.len()).entered();
             let last = prefill_into(model, &mut prefix_cache, &[&prefix_tokens])?;
@@ -114,6 +132,9 @@ impl GenState {
                 prefix_cache = prefix_cache.fork(1)?;
             }
             prefix_cache.evaluate()?;
+            if let Some((disk, binding)) = &prefix_disk {
+                disk.store(binding, &prefix_tokens, &prefix_cache);
+            }
         }
         let schedule = model.schedule();
         #[expect(

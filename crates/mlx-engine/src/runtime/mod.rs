@@ -7,4 +7,5 @@ pub(crate) mod generate;
 pub(crate) mod lanes;
 pub(crate) mod options;
 pub(crate) mod prefill;
+pub(crate) mod prefix_disk;
 pub(crate) mod serving;

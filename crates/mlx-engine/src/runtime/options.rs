@@ -83,6 +83,7 @@ pub struct EngineConfig {
     pub(crate) peer_timeout: std::time::Duration,
     pub(crate) max_queue: usize,
     pub(crate) prefix_store_bytes: usize,
+    pub(crate) prefix_cache_dir: Option<(PathBuf, u64)>,
 }
 
 impl EngineConfig {
@@ -112,6 +113,7 @@ impl EngineConfig {
             peer_timeout: DEFAULT_PEER_TIMEOUT,
             max_queue: DEFAULT_MAX_QUEUE,
             prefix_store_bytes: DEFAULT_PREFIX_STORE_BYTES,
+            prefix_cache_dir: None,
         }
     }
 
@@ -128,6 +130,21 @@ impl EngineConfig {
     /// recently used go first. The prefix messages' cache is held besides.
     pub fn prefix_store_bytes(mut self, bytes: usize) -> EngineConfig {
         self.prefix_store_bytes = bytes;
+        self
+    }
+
+    /// A folder where the prefix messages' computed cache is kept across
+    /// restarts (created if missing), at most `max_bytes` of stored
+    /// prefixes in it (the least recently used go first). A later engine
+    /// with the same model files, adapters, prefix tokens and arithmetic
+    /// reads the cache from there instead of computing it, and answers
+    /// bit for bit the same; a file that does not match, is truncated or
+    /// is corrupt is a warning naming it, and the prefix is computed
+    /// again. Not used with a distributed placement, or for a
+    /// [`PrefixCache::WithGeneratedToken`] prefix under a logits processor
+    /// (whose choice of that token the folder cannot know). Default: none.
+    pub fn prefix_cache_dir(mut self, dir: impl Into<PathBuf>, max_bytes: u64) -> EngineConfig {
+        self.prefix_cache_dir = Some((dir.into(), max_bytes));
         self
     }
 
@@ -317,6 +334,7 @@ impl std::fmt::Debug for EngineConfig {
             .field("special_tokens", &self.special_tokens)
             .field("prefix_cache", &self.prefix_cache)
             .field("placement", &self.placement)
+            .field("prefix_cache_dir", &self.prefix_cache_dir)
             .finish_non_exhaustive()
     }
 }

@@ -67,6 +67,9 @@ impl LayerMask {
     }
 }
 
+/// One layer's keys and values, `(kv_heads, positions, head_dim)` each.
+pub(crate) type LayerKv = (Array, Array);
+
 /// Keys and values of every layer for the positions seen so far.
 ///
 /// A layer with an attention window (Gemma's sliding layers) keeps only
@@ -229,6 +232,28 @@ impl KvCache {
             pads: vec![0; rows.max(0) as usize],
             discard_owned: false,
         })
+    }
+
+    /// A one-row cache whose whole length is its shared prefix: per layer
+    /// the kept `(kv_heads, kept, head_dim)` keys and values (`None` for a
+    /// layer that reads another's), `len` positions in all. What a prefix
+    /// cache read back from disk is.
+    pub(crate) fn from_shared(shared: Vec<Option<LayerKv>>, len: i32) -> KvCache {
+        KvCache {
+            shared,
+            shared_len: len,
+            owned: Vec::new(),
+            own_len: 0,
+            pads: vec![0],
+            discard_owned: false,
+        }
+    }
+
+    /// The shared prefix's keys and values per layer and its length, when
+    /// the cache holds nothing else (a prefix forked for one row): what a
+    /// prefix cache on disk stores. `None` once rows own positions.
+    pub(crate) fn shared_parts(&self) -> Option<(&[Option<LayerKv>], i32)> {
+        (self.own_len == 0).then_some((&self.shared[..], self.shared_len))
     }
 
     /// Computes every array this cache holds, so that other threads can
