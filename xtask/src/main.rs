@@ -629,6 +629,7 @@ fn examples() -> Result<()> {
         ("adapter-codec", "roundtrip", vec![]),
         ("mlx-support", "device", vec![]),
         ("adapter-fuse", "fuse", vec![]),
+        ("cpu-kernels", "multiply", vec![]),
     ];
     match &fixture {
         Some(dir) => {

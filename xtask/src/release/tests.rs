@@ -172,6 +172,8 @@ fn this_workspace_has_complete_metadata_and_a_changelog() {
     assert_eq!(
         order,
         [
+            // The MLX-free kernels the engine hands its rows to.
+            "cpu-kernels",
             "st-mmap",
             "adapter-codec",
             "gguf-import",
