@@ -1,11 +1,17 @@
 //! The prefix's cache kept in a folder across restarts: a later engine
 //! reads it instead of computing it and answers as the first did; a file
 //! that is corrupt is not used (the prefix is computed again and the file
-//! written anew); another prefix is another file.
+//! written anew); another prefix is another file. A prefix whose cache
+//! holds the token a logits processor picks after it starts from the
+//! folder too.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-use mlx_engine::{EngineConfig, GenerateOptions, Message, MlxEngine, QuantizedWeights};
+use mlx_engine::{
+    EngineConfig, GenerateOptions, Message, MlxEngine, PrefixCache, QuantizedWeights, Tokenizer,
+};
+use mlx_rs::Array;
 
 mod common;
 
@@ -84,4 +90,68 @@ fn a_later_engine_reads_the_prefix_from_the_folder_and_answers_the_same() {
         .generate(vec![conversation], GenerateOptions::new())
         .unwrap();
     assert_eq!(files(&folder).len(), 2);
+}
+
+/// An engine whose prefix's cache holds the token a processor picks after
+/// it: one that allows only `w9` at every position, and keeps the bits of
+/// every logit it is handed in `seen`.
+fn forcing_engine(model: &Path, folder: Option<&Path>, seen: Arc<Mutex<Vec<u32>>>) -> MlxEngine {
+    let mut config = EngineConfig::new(model)
+        .prefix_messages(vec![system()])
+        .batch_size(4)
+        .worker_name("mlx-test")
+        .quantized(QuantizedWeights::Keep)
+        .prefix_cache(PrefixCache::WithGeneratedToken)
+        // One lane: the processor sees the chunks in one order.
+        .lanes(1)
+        .logits_processor(move |tokenizer: &Tokenizer| {
+            let allowed = tokenizer.token_id("w9").unwrap() as i32;
+            let seen = Arc::clone(&seen);
+            Box::new(move |logits: &Array| {
+                let f32s = logits.as_dtype(mlx_rs::Dtype::Float32)?;
+                let bits = f32s.as_slice::<f32>().iter().map(|x| x.to_bits());
+                seen.lock().unwrap().extend(bits);
+                let ids = mlx_rs::ops::arange::<_, i32>(None, VOCAB, None)?;
+                let keep = ids.eq(Array::from_int(allowed))?;
+                mlx_rs::ops::select(&keep, logits, Array::from_f32(f32::NEG_INFINITY))
+            })
+        });
+    if let Some(folder) = folder {
+        config = config.prefix_cache_dir(folder, 1 << 30);
+    }
+    MlxEngine::new(config).unwrap()
+}
+
+#[test]
+fn a_prefix_holding_a_processors_token_starts_from_the_folder() {
+    let model = tempfile::tempdir().unwrap();
+    write_model(model.path());
+    let work = tempfile::tempdir().unwrap();
+    let folder = work.path().join("prefixes");
+    // The logits the processor was handed, the prefix's first: the texts
+    // are all "w9…".
+    let logits = |folder: Option<&Path>| {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let texts = answers(&forcing_engine(model.path(), folder, Arc::clone(&seen)));
+        assert!(texts.iter().all(|t| t.starts_with("w9")), "{texts:?}");
+        let seen = seen.lock().unwrap().clone();
+        seen
+    };
+    let without = logits(None);
+    let first = logits(Some(&folder));
+    assert_eq!(first, without, "the folder changes no logit");
+    let stored = files(&folder);
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    #[cfg(unix)]
+    let written = inode(&stored[0]);
+    let second = logits(Some(&folder));
+    assert_eq!(
+        second, first,
+        "read from the folder: the same logits, bit for bit"
+    );
+    #[cfg(unix)]
+    assert_eq!(inode(&stored[0]), written, "read, not written again");
+    // The clean prefix of the same tokens is the same file.
+    answers(&engine_with_folder(model.path(), &folder, system()));
+    assert_eq!(files(&folder), stored);
 }

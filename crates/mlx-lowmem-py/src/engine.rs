@@ -80,6 +80,7 @@ impl Engine {
         model_dir, *, logits_processor_factory = None, prefix_messages = None, batch_size = 8,
         worker_name = "mlx".to_owned(), memory = None, quantized = None,
         prefix_cache = "with_generated_token".to_owned(), lanes = None, max_prompt_tokens = None,
+        prefix_cache_dir = None, prefix_cache_max_bytes = 4 << 30,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -93,6 +94,8 @@ impl Engine {
         prefix_cache: String,
         lanes: Option<usize>,
         max_prompt_tokens: Option<usize>,
+        prefix_cache_dir: Option<std::path::PathBuf>,
+        prefix_cache_max_bytes: u64,
     ) -> PyResult<Engine> {
         let shared = Arc::new(Shared::default());
         let prefix = match prefix_messages {
@@ -115,6 +118,9 @@ impl Engine {
         }
         if let Some(tokens) = max_prompt_tokens {
             config = config.max_prompt_tokens(tokens);
+        }
+        if let Some(dir) = prefix_cache_dir {
+            config = config.prefix_cache_dir(dir, prefix_cache_max_bytes);
         }
         if let Some(factory) = logits_processor_factory {
             let shared = shared.clone();

@@ -6,11 +6,13 @@ exception. Skips, saying so, without the fixture."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import unittest
+from pathlib import Path
 
 import mlx_lowmem
-from _support import has, smollm2
+from _support import has, run_python, smollm2
 
 PREFIX = [{"role": "system", "content": "Rate how positive the message is, from 1 to 5. Answer with one digit."}]
 TEXTS = ["great work, thanks!", "this is broken again", "ok", "the build fails", "perfect", "meh"]
@@ -115,6 +117,64 @@ class Generation(unittest.IsolatedAsyncioTestCase):
         kept = await keep.generate(conversations(TEXTS[:2]), lambda n: None)
         await keep.close()
         self.assertTrue(all(t in {"1", "2", "3", "4", "5"} for t in kept), kept)
+
+
+class PrefixCacheDir(unittest.IsolatedAsyncioTestCase):
+    async def test_a_later_engine_reads_the_prefix_from_the_folder(self) -> None:
+        # cc-sentiment's shape: the prefix's cache holds the token its
+        # processor picks after it; the folder keeps the state that token is
+        # picked from, so the second engine starts from the file.
+        with tempfile.TemporaryDirectory() as work:
+            folder = Path(work) / "prefixes"
+
+            async def answers(**options) -> list[str]:
+                e = engine(**options)
+                await e.ensure_loaded()
+                texts = await e.generate(conversations(), lambda n: None)
+                await e.close()
+                return texts
+
+            without = await answers()
+            first = await answers(prefix_cache_dir=folder)
+            self.assertEqual(first, without)
+            stored = sorted(folder.iterdir())
+            self.assertEqual(len(stored), 1, stored)
+            written = stored[0].stat().st_ino
+            second = await answers(prefix_cache_dir=str(folder), prefix_cache_max_bytes=1 << 30)
+            self.assertEqual(second, first)
+            self.assertEqual(sorted(folder.iterdir()), stored)
+            self.assertEqual(stored[0].stat().st_ino, written, "read, not computed and written again")
+
+            # An application that builds its engine itself: the environment.
+            code = (
+                "import asyncio, mlx_lowmem\n"
+                f"e = mlx_lowmem.MlxEngine({str(smollm2('q4'))!r}, logits_processor_factory=None,\n"
+                f"    prefix_messages={PREFIX!r}, batch_size=2, quantized='dequantize_on_use')\n"
+                "asyncio.run(e.ensure_loaded())\n"
+            )
+            other = Path(work) / "from-env"
+            run_python(code, {"MLX_LOWMEM_PREFIX_CACHE_DIR": str(other)})
+            self.assertEqual(len(list(other.iterdir())), 1)
+
+
+class SpawnllmMlxBackend(unittest.IsolatedAsyncioTestCase):
+    @unittest.skipUnless(has("spawnllm"), "spawnllm is not installed here")
+    async def test_spawnllms_own_backend_runs_on_the_face_unchanged(self) -> None:
+        # spawnllm 0.17.1's `MlxBackend(engine=...)`, as its users build it:
+        # no prefix, one user message per call, greedy.
+        from spawnllm.backends.mlx import MlxBackend
+        from spawnllm.spec import RunSpec
+
+        e = mlx_lowmem.MlxEngine(smollm2("q4"), logits_processor_factory=None, prefix_messages=[],
+                                 batch_size=2, quantized="dequantize_on_use")
+        backend = MlxBackend(engine=e, max_tokens=12)
+        prompt = "Name one colour of the sky."
+        response = await backend.aexecute(RunSpec(prompt=prompt, model="local"))
+        direct = await e.generate([[{"role": "user", "content": prompt}]], lambda n: None, max_tokens=12)
+        await e.close()
+        self.assertIsNone(response.error)
+        self.assertEqual(response.result.raw, direct[0])
+        self.assertTrue(direct[0].strip(), "something was generated")
 
 
 class UnderAnyio(unittest.TestCase):

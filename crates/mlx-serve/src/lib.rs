@@ -203,7 +203,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         0.0
     };
     let peak = state.engine.peak_memory_bytes().unwrap_or(0);
-    let rows: [(&str, &str, &str, String); 12] = [
+    let rows: [(&str, &str, &str, String); 13] = [
         (
             "mlx_serve_queue_depth",
             "gauge",
@@ -257,6 +257,12 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
             "counter",
             "Requests whose shareable prefix was computed.",
             m.prefix_misses.to_string(),
+        ),
+        (
+            "mlx_serve_prefix_cache_folder_reads_total",
+            "counter",
+            "Of the misses, prefixes read from the prefix cache folder instead of computed.",
+            m.prefix_folder_reads.to_string(),
         ),
         (
             "mlx_serve_prefix_cache_entries",

@@ -57,6 +57,15 @@ struct Args {
     /// MiB of shared prefixes' caches kept for later requests.
     #[arg(long, default_value_t = 256)]
     prefix_store_mb: usize,
+    /// A folder where computed shared prefixes are kept across restarts
+    /// (created if missing); a later start with the same model reads them
+    /// instead of computing them.
+    #[arg(long)]
+    prefix_cache_dir: Option<PathBuf>,
+    /// MiB of stored prefixes the folder keeps at most (least recently
+    /// used out first).
+    #[arg(long, default_value_t = 4096)]
+    prefix_cache_dir_mb: u64,
     /// `max_tokens` of a request that gives none.
     #[arg(long, default_value_t = 512)]
     default_max_tokens: usize,
@@ -97,6 +106,9 @@ fn run() -> anyhow::Result<()> {
         .max_queue(args.max_queue)
         .prefix_store_bytes(args.prefix_store_mb << 20)
         .worker_name("mlx-serve-engine");
+    if let Some(dir) = &args.prefix_cache_dir {
+        config = config.prefix_cache_dir(dir, args.prefix_cache_dir_mb << 20);
+    }
     if let Some(memory) = args.memory {
         config = config.memory(match memory {
             Memory::Resident => MemoryMode::Resident,

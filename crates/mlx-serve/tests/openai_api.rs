@@ -631,3 +631,60 @@ fn a_request_past_its_deadline_is_a_504() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_restarted_server_reads_its_shared_prefix_from_the_folder() {
+    let Some(model) = smollm2("a_restarted_server_reads_its_shared_prefix") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let folder = work.path().join("prefixes");
+    let args = ["--prefix-cache-dir", folder.to_str().unwrap()];
+    let system = system_prompt();
+    let body = chat(
+        &[
+            ("system", &system),
+            ("user", "The lid leaks, the motor is loud."),
+        ],
+        json!({"max_tokens": 8, "temperature": 0, "logprobs": true}),
+    );
+    let ask = |server: &Server| {
+        let (status, body) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{body}");
+        let answer = parse(&body);
+        (
+            answer["choices"][0]["message"]["content"].clone(),
+            answer["choices"][0]["logprobs"].clone(),
+        )
+    };
+    let first = {
+        let server = Server::start(&model, &args);
+        let first = ask(&server);
+        assert_eq!(server.metric("mlx_serve_prefix_cache_misses_total"), 1.0);
+        assert_eq!(
+            server.metric("mlx_serve_prefix_cache_folder_reads_total"),
+            0.0
+        );
+        first
+    };
+    let stored: Vec<_> = std::fs::read_dir(&folder).unwrap().collect();
+    assert_eq!(stored.len(), 1, "one prefix written: {stored:?}");
+
+    let server = Server::start(&model, &args);
+    assert_eq!(
+        ask(&server),
+        first,
+        "the same text and logprobs after the restart"
+    );
+    assert_eq!(
+        server.metric("mlx_serve_prefix_cache_folder_reads_total"),
+        1.0
+    );
+    // The store holds it now: the next request does not go to the folder.
+    assert_eq!(ask(&server), first);
+    assert_eq!(server.metric("mlx_serve_prefix_cache_hits_total"), 1.0);
+    assert_eq!(
+        server.metric("mlx_serve_prefix_cache_folder_reads_total"),
+        1.0
+    );
+}

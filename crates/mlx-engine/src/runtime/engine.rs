@@ -19,7 +19,7 @@ use crate::models::checkpoint::Checkpoint;
 use crate::models::Model;
 use crate::runtime::generate::{generate_batch, GenSettings, GenState, Generation};
 use crate::runtime::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
-use crate::runtime::prefix_disk::{file_digests, PrefixBinding, PrefixDisk};
+use crate::runtime::prefix_disk::{file_digests, PrefixDisk};
 use crate::runtime::serving::grammar::Grammars;
 use crate::runtime::serving::scheduler::{Scheduler, SchedulerSettings};
 use crate::runtime::serving::{
@@ -489,11 +489,12 @@ fn load(
     mlx_support::use_device(device).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
     let checkpoint = Checkpoint::open(&config.model_dir).map_err(err)?;
     // What a prefix kept on disk is bound to: the model's files and the
-    // adapters' (hashed before the loader takes them).
-    let disk_binding = match &config.prefix_cache_dir {
-        Some(_) => Some(file_digests(&checkpoint, &config.adapters, &config.lora).map_err(err)?),
-        None => None,
-    };
+    // adapters' (hashed before the loader takes them). Not with ranks:
+    // each holds only its stage's layers.
+    let digests = (config.prefix_cache_dir.is_some() && config.placement.group().is_none())
+        .then(|| file_digests(&checkpoint, &config.adapters, &config.lora))
+        .transpose()
+        .map_err(err)?;
     let mut lora = config.lora;
     if !config.adapters.is_empty() {
         let prefix = checkpoint.block_prefix();
@@ -535,7 +536,8 @@ fn load(
             .max_position_embeddings
             .unwrap_or(DEFAULT_MAX_PROMPT_TOKENS)
     });
-    let model_arithmetic = model.arithmetic().to_owned();
+    let prefix_disk = (config.prefix_cache_dir.zip(digests))
+        .map(|(folder, digests)| PrefixDisk::bound(folder, digests, model.arithmetic()));
     let settings = GenSettings {
         prefix_messages: config.prefix_messages,
         processor,
@@ -552,17 +554,7 @@ fn load(
         special_tokens: config.special_tokens,
         prefix_cache: config.prefix_cache,
         placement: config.placement.clone(),
-        prefix_disk: config.prefix_cache_dir.zip(disk_binding).map(
-            |((dir, max_bytes), (model, adapters))| {
-                let binding = PrefixBinding {
-                    model,
-                    adapters,
-                    arithmetic: model_arithmetic.clone(),
-                    holds: format!("{:?}", config.prefix_cache),
-                };
-                (PrefixDisk::new(dir, max_bytes), binding)
-            },
-        ),
+        prefix_disk: prefix_disk.clone(),
     };
     let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
     let _ = grammars.set(Grammars::new(
@@ -576,6 +568,7 @@ fn load(
             max_prompt_tokens,
             special_tokens: config.special_tokens,
             prefix_store_bytes: config.prefix_store_bytes,
+            prefix_disk,
         },
         counters,
         state.shareable_prefix(),

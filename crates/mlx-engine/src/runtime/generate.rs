@@ -15,7 +15,7 @@ use crate::nn::cache::KvCache;
 use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
 use crate::runtime::options::{GenerateOptions, LogitsProcessor, PrefixCache};
 use crate::runtime::prefill::{padded_block, prefill, prefill_groups, prefill_into, PREFILL_CHUNK};
-use crate::runtime::prefix_disk::{PrefixBinding, PrefixDisk};
+use crate::runtime::prefix_disk::{load_or_compute, PrefixBinding, PrefixDisk};
 use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
 
 /// What generation keeps between requests.
@@ -101,39 +101,24 @@ impl GenState {
                 limit: max_prompt_tokens,
             });
         }
-        // The folder cannot know which token a logits processor would pick
-        // after the prefix, and each rank holds only its stage's layers.
-        let prefix_disk = prefix_disk.filter(|_| {
-            placement.group().is_none()
-                && !(what_to_cache == PrefixCache::WithGeneratedToken && processor.is_some())
-        });
-        let stored = prefix_disk
-            .as_ref()
-            .filter(|_| !prefix_tokens.is_empty())
-            .and_then(|(disk, binding)| disk.load(binding, &prefix_tokens));
+        // Each rank holds only its stage's layers.
+        let prefix_disk = prefix_disk.filter(|_| placement.group().is_none());
         let mut prefix_cache = KvCache::new();
-        if let Some(stored) = stored {
-            prefix_cache = stored;
-            prefix_cache.evaluate()?;
-        } else if !prefix_tokens.is_empty() {
-            let _span =
-                tracing::info_span!("prefix_prefill", tokens = prefix_tokens.len()).entered();
-            let last = prefill_into(model, &mut prefix_cache, &[&prefix_tokens])?;
-            // Held as every fork reads it and computed now: once, and
-            // before lanes read it (see `lanes`).
-            prefix_cache = prefix_cache.fork(1)?;
+        if !prefix_tokens.is_empty() {
+            let (prefix, _) = load_or_compute(model, &prefix_tokens, prefix_disk.as_ref())?;
+            prefix_cache = prefix.cache;
             if what_to_cache == PrefixCache::WithGeneratedToken {
-                let next = pick_tokens(processor.as_deref_mut(), &model.head(&last)?)?;
+                let logits = model.head(&prefix.last_hidden)?;
+                let next = pick_tokens(processor.as_deref_mut(), &logits)?;
                 tracing::debug!(
                     token = next[0],
                     "the prefix's cache holds its generated token"
                 );
                 prefill_into(model, &mut prefix_cache, &[&[next[0] as u32]])?;
+                // Held as every fork reads it, and computed before lanes
+                // read it (see `lanes`).
                 prefix_cache = prefix_cache.fork(1)?;
-            }
-            prefix_cache.evaluate()?;
-            if let Some((disk, binding)) = &prefix_disk {
-                disk.store(binding, &prefix_tokens, &prefix_cache);
+                prefix_cache.evaluate()?;
             }
         }
         let schedule = model.schedule();

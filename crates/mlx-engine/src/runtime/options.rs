@@ -133,16 +133,17 @@ impl EngineConfig {
         self
     }
 
-    /// A folder where the prefix messages' computed cache is kept across
-    /// restarts (created if missing), at most `max_bytes` of stored
-    /// prefixes in it (the least recently used go first). A later engine
-    /// with the same model files, adapters, prefix tokens and arithmetic
-    /// reads the cache from there instead of computing it, and answers
-    /// bit for bit the same; a file that does not match, is truncated or
-    /// is corrupt is a warning naming it, and the prefix is computed
-    /// again. Not used with a distributed placement, or for a
+    /// A folder where computed prefixes are kept across restarts (created
+    /// if missing): the prefix messages', and the shared system prompts
+    /// serving computes; at most `max_bytes` of them (the least recently
+    /// used go first). A later engine with the same model files, adapters,
+    /// prefix tokens and arithmetic reads a prefix from there instead of
+    /// computing it, and answers bit for bit the same, also for a
     /// [`PrefixCache::WithGeneratedToken`] prefix under a logits processor
-    /// (whose choice of that token the folder cannot know). Default: none.
+    /// (the file keeps the state that token is picked from); a file that
+    /// does not match, is truncated or is corrupt is a warning naming it,
+    /// and the prefix is computed again. Not used with a distributed
+    /// placement. Default: none.
     pub fn prefix_cache_dir(mut self, dir: impl Into<PathBuf>, max_bytes: u64) -> EngineConfig {
         self.prefix_cache_dir = Some((dir.into(), max_bytes));
         self

@@ -1,14 +1,17 @@
 //! A shared prefix's cache kept on disk across restarts, so that every
 //! start after the first reads the prefix instead of computing it.
 //!
-//! A computed prefix is written as one safetensors file per prefix, its
-//! keys and values per layer as they are held, with a `__metadata__` that
-//! binds it to everything that changes them: the model's files (their
-//! SHA-256, as the ranks of a distributed job compare them), the adapters'
-//! files, the token ids, what the cache holds (the prefix alone, or with
-//! the token generated after it) and the engine's arithmetic (how packed
-//! weights are multiplied, which kernels, the device, MLX's version and the
-//! engine's). The file's name is the digest of all of that; a file is used
+//! A computed prefix is written as one safetensors file per prefix: its
+//! keys and values per layer as they are held, and the hidden state of its
+//! last position, from which the token after the prefix is picked (by the
+//! engine or by a logits processor); so a prefix whose cache also holds
+//! that token is one head and one token's forward away from its file, and
+//! the engine's prefix and the server's shared prefixes read the same
+//! files. A `__metadata__` binds the file to everything that changes what
+//! it holds: the model's files (their SHA-256, as the ranks of a
+//! distributed job compare them), the adapters' files, the token ids and
+//! the engine's arithmetic (how packed weights are multiplied, which
+//! kernels, the device, MLX's version and the engine's). The file's name is the digest of all of that; a file is used
 //! only if its metadata equals the binding field by field, so a renamed,
 //! truncated, corrupt or foreign file is a warning naming it, then the
 //! prefix is computed again: never a crash, never a wrong answer.
@@ -26,12 +29,15 @@ use mlx_rs::Array;
 use sha2::{Digest, Sha256};
 
 use crate::distributed::identity;
+use crate::evaluation::{evaluate, Why};
 use crate::models::checkpoint::Checkpoint;
+use crate::models::Model;
 use crate::nn::cache::KvCache;
+use crate::runtime::prefill::prefill_into;
 
 /// What the format of a stored prefix is called; a later change of the
 /// layout changes this, and older files are then ignored (and aged out).
-const FORMAT: &str = "mlx-lowmem prefix cache 1";
+const FORMAT: &str = "mlx-lowmem prefix cache 2";
 
 /// A folder of stored prefixes, at most `max_bytes` of them.
 #[derive(Debug, Clone)]
@@ -49,14 +55,23 @@ pub(crate) struct PrefixBinding {
     pub adapters: Vec<String>,
     /// The engine's arithmetic (see the module's docs).
     pub arithmetic: String,
-    /// What the cache holds: `clean`, or the prefix and its generated
-    /// token.
-    pub holds: String,
 }
+
+/// A prefix as it is stored: the one-row cache of exactly its tokens, and
+/// the hidden state of its last position (see
+/// [`prefill_into`](crate::runtime::prefill::prefill_into)).
+#[derive(Debug, Clone)]
+pub(crate) struct StoredPrefix {
+    pub cache: KvCache,
+    pub last_hidden: Array,
+}
+
+/// The key of the last position's hidden state in a stored prefix.
+const LAST_HIDDEN: &str = "last_hidden";
 
 /// The model's files and each adapter's (folders, then sources made by
 /// hand with their strength), as digests in hex: what a stored prefix is
-/// bound to besides its tokens, what it holds and the arithmetic.
+/// bound to besides its tokens and the arithmetic.
 pub(crate) fn file_digests(
     checkpoint: &Checkpoint,
     adapters: &[PathBuf],
@@ -80,6 +95,22 @@ impl PrefixDisk {
         PrefixDisk { dir, max_bytes }
     }
 
+    /// The folder `(dir, max_bytes)` and the binding of its files to the
+    /// model's and adapters' `digests` (see [`file_digests`]) and the
+    /// engine's `arithmetic`.
+    pub(crate) fn bound(
+        (dir, max_bytes): (PathBuf, u64),
+        (model, adapters): (String, Vec<String>),
+        arithmetic: &str,
+    ) -> (PrefixDisk, PrefixBinding) {
+        let binding = PrefixBinding {
+            model,
+            adapters,
+            arithmetic: arithmetic.to_owned(),
+        };
+        (PrefixDisk::new(dir, max_bytes), binding)
+    }
+
     /// The metadata a file for `tokens` under `binding` must carry.
     fn metadata(binding: &PrefixBinding, tokens: &[u32]) -> BTreeMap<String, String> {
         let tokens: Vec<String> = tokens.iter().map(u32::to_string).collect();
@@ -88,7 +119,6 @@ impl PrefixDisk {
             ("model".to_owned(), binding.model.clone()),
             ("adapters".to_owned(), binding.adapters.join(",")),
             ("arithmetic".to_owned(), binding.arithmetic.clone()),
-            ("holds".to_owned(), binding.holds.clone()),
             ("tokens".to_owned(), tokens.join(",")),
         ])
     }
@@ -106,21 +136,21 @@ impl PrefixDisk {
         self.dir.join(format!("{digest}.safetensors"))
     }
 
-    /// The stored cache of `tokens` under `binding`, when there is one that
-    /// matches it exactly and reads whole; `None` (with a warning naming
-    /// the file when one was there and could not be used) otherwise.
-    pub(crate) fn load(&self, binding: &PrefixBinding, tokens: &[u32]) -> Option<KvCache> {
+    /// The stored prefix of `tokens` under `binding`, when there is one
+    /// that matches it exactly and reads whole; `None` (with a warning
+    /// naming the file when one was there and could not be used) otherwise.
+    pub(crate) fn load(&self, binding: &PrefixBinding, tokens: &[u32]) -> Option<StoredPrefix> {
         let metadata = Self::metadata(binding, tokens);
         let path = self.path(&metadata);
         if !path.exists() {
             return None;
         }
         match read(&path, &metadata) {
-            Ok(cache) => {
+            Ok(stored) => {
                 tracing::info!(path = %path.display(), tokens = tokens.len(), "prefix read from the cache folder");
                 // Used: the newest again, for the folder's bound.
                 touch(&path);
-                Some(cache)
+                Some(stored)
             }
             Err(why) => {
                 tracing::warn!(path = %path.display(), %why, "a stored prefix is not used; computing it");
@@ -129,13 +159,13 @@ impl PrefixDisk {
         }
     }
 
-    /// Stores `cache` (a prefix forked for one row) as the prefix of
+    /// Stores `prefix` (its cache forked for one row) as the prefix of
     /// `tokens` under `binding`, then ages the folder down to its bound.
     /// A failure is a warning: the engine runs on without the file.
-    pub(crate) fn store(&self, binding: &PrefixBinding, tokens: &[u32], cache: &KvCache) {
+    pub(crate) fn store(&self, binding: &PrefixBinding, tokens: &[u32], prefix: &StoredPrefix) {
         let metadata = Self::metadata(binding, tokens);
         let path = self.path(&metadata);
-        match write(&self.dir, &path, &metadata, cache) {
+        match write(&self.dir, &path, &metadata, prefix) {
             Ok(()) => {
                 tracing::info!(path = %path.display(), "prefix written to the cache folder");
                 self.age_out(&path);
@@ -179,6 +209,41 @@ impl PrefixDisk {
     }
 }
 
+/// Where a prefix came from (see [`load_or_compute`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Origin {
+    Folder,
+    Computed,
+}
+
+/// The prefix of `tokens` (not empty): read from `disk` when it holds it,
+/// else computed and stored there. Evaluated either way: computed once,
+/// and before lanes or rows read it.
+pub(crate) fn load_or_compute(
+    model: &Model,
+    tokens: &[u32],
+    disk: Option<&(PrefixDisk, PrefixBinding)>,
+) -> crate::Result<(StoredPrefix, Origin)> {
+    if let Some(stored) = disk.and_then(|(disk, binding)| disk.load(binding, tokens)) {
+        evaluate(
+            Why::Load,
+            stored.cache.arrays().chain([&stored.last_hidden]),
+        )?;
+        return Ok((stored, Origin::Folder));
+    }
+    let _span = tracing::info_span!("prefix_prefill", tokens = tokens.len()).entered();
+    let mut cache = KvCache::new();
+    let last_hidden = prefill_into(model, &mut cache, &[tokens])?;
+    // Held as every fork reads it.
+    let cache = cache.fork(1)?;
+    evaluate(Why::Step, cache.arrays().chain([&last_hidden]))?;
+    let computed = StoredPrefix { cache, last_hidden };
+    if let Some((disk, binding)) = disk {
+        disk.store(binding, tokens, &computed);
+    }
+    Ok((computed, Origin::Computed))
+}
+
 /// Whether `path` is a stored prefix's name (`<64 hex>.safetensors`), not a
 /// temporary file or anything else in the folder.
 fn is_stored_prefix(path: &Path) -> bool {
@@ -189,8 +254,8 @@ fn is_stored_prefix(path: &Path) -> bool {
         .is_some_and(|stem| stem.len() == 64 && stem.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
-/// The cache in `path`, checked against `metadata`.
-fn read(path: &Path, metadata: &BTreeMap<String, String>) -> Result<KvCache, String> {
+/// The prefix in `path`, checked against `metadata`.
+fn read(path: &Path, metadata: &BTreeMap<String, String>) -> Result<StoredPrefix, String> {
     let file = st_mmap::SafetensorsFile::open(path).map_err(|e| e.to_string())?;
     let header = file.header();
     let stored = header.metadata().cloned().unwrap_or_default();
@@ -207,38 +272,43 @@ fn read(path: &Path, metadata: &BTreeMap<String, String>) -> Result<KvCache, Str
     };
     let (layers, len) = (number("kv_layers")?, number("length")?);
     let len = i32::try_from(len).map_err(|_| "its length is out of range".to_owned())?;
+    let array = |key: &str| -> Result<Option<Array>, String> {
+        let Some(view) = file.tensor(key) else {
+            return Ok(None);
+        };
+        mlx_support::array_from_bytes(key, view.dtype, view.shape, view.data)
+            .map(Some)
+            .map_err(|e| e.to_string())
+    };
     let mut shared = Vec::new();
     for layer in 0..layers {
-        let array = |part: &str| -> Result<Option<Array>, String> {
-            let key = format!("kv.{layer}.{part}");
-            let Some(view) = file.tensor(&key) else {
-                return Ok(None);
-            };
-            mlx_support::array_from_bytes(&key, view.dtype, view.shape, view.data)
-                .map(Some)
-                .map_err(|e| e.to_string())
-        };
-        shared.push(match (array("keys")?, array("values")?) {
+        let part = |p: &str| array(&format!("kv.{layer}.{p}"));
+        shared.push(match (part("keys")?, part("values")?) {
             (Some(k), Some(v)) => Some((k, v)),
             (None, None) => None,
             _ => return Err(format!("layer {layer} has half of its keys and values")),
         });
     }
-    Ok(KvCache::from_shared(shared, len))
+    let last_hidden = array(LAST_HIDDEN)?.ok_or(format!("it has no {LAST_HIDDEN}"))?;
+    Ok(StoredPrefix {
+        cache: KvCache::from_shared(shared, len),
+        last_hidden,
+    })
 }
 
-/// Writes `cache` with `metadata` to `path`, atomically.
+/// Writes `prefix` with `metadata` to `path`, atomically.
 fn write(
     dir: &Path,
     path: &Path,
     metadata: &BTreeMap<String, String>,
-    cache: &KvCache,
+    prefix: &StoredPrefix,
 ) -> Result<(), String> {
-    let (layers, len) = cache
+    let (layers, len) = prefix
+        .cache
         .shared_parts()
         .ok_or("the cache holds more than a prefix")?;
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    let mut arrays: Vec<(String, &Array)> = Vec::new();
+    let mut arrays: Vec<(String, &Array)> = vec![(LAST_HIDDEN.to_owned(), &prefix.last_hidden)];
     for (i, layer) in layers.iter().enumerate() {
         if let Some((k, v)) = layer {
             arrays.push((format!("kv.{i}.keys"), k));
@@ -290,29 +360,32 @@ mod tests {
             model: "m".repeat(64),
             adapters: vec!["a".repeat(64)],
             arithmetic: "DequantizeOnUse Native Cpu".into(),
-            holds: "clean".into(),
         }
     }
 
-    fn cache(seed: u64) -> KvCache {
+    fn cache(seed: u64) -> StoredPrefix {
         let key = mlx_rs::random::key(seed).unwrap();
         let kv = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap();
         // Three layers, the middle one reading another's keys and values.
-        KvCache::from_shared(
+        let cache = KvCache::from_shared(
             vec![
                 Some((kv(&[2, 5, 8]), kv(&[2, 5, 8]))),
                 None,
                 Some((kv(&[2, 3, 8]), kv(&[2, 3, 8]))),
             ],
             5,
-        )
+        );
+        StoredPrefix {
+            cache,
+            last_hidden: kv(&[1, 16]),
+        }
     }
 
-    fn bits(cache: &KvCache) -> Vec<Vec<u32>> {
-        let (layers, len) = cache.shared_parts().unwrap();
+    fn bits(prefix: &StoredPrefix) -> Vec<Vec<u32>> {
+        let (layers, len) = prefix.cache.shared_parts().unwrap();
         let mut out = vec![vec![len as u32]];
         for (k, v) in layers.iter().flatten() {
-            for a in [k, v] {
+            for a in [k, v, &prefix.last_hidden] {
                 let a = a.as_dtype(mlx_rs::Dtype::Float32).unwrap();
                 out.push(a.as_slice::<f32>().iter().map(|x| x.to_bits()).collect());
             }
@@ -337,7 +410,7 @@ mod tests {
         disk.store(&binding(), &tokens, &stored);
         let back = disk.load(&binding(), &tokens).expect("read back");
         assert_eq!(bits(&back), bits(&stored));
-        assert!(back.shared(1).is_none() && back.shared(2).is_some());
+        assert!(back.cache.shared(1).is_none() && back.cache.shared(2).is_some());
 
         assert!(disk.load(&binding(), &[1, 2, 3, 4, 6]).is_none());
         let other = PrefixBinding {

@@ -50,6 +50,13 @@ class MlxEngine:
       else ``"keep"``.
     - ``prefix_cache="clean"``: the prefix's tokens only.
     - ``lanes``: chunks run side by side; ``max_prompt_tokens``.
+    - ``prefix_cache_dir``: a folder that keeps the prefix's computed cache
+      across restarts (created if missing): a later engine with the same
+      model, adapters, prefix and arithmetic reads it instead of computing
+      it, and answers the same. Left at None, the environment variable
+      ``MLX_LOWMEM_PREFIX_CACHE_DIR`` decides, else none.
+      ``prefix_cache_max_bytes`` bounds the folder (least recently used
+      out first).
 
     Example::
 
@@ -77,11 +84,15 @@ class MlxEngine:
         prefix_cache: str = "with_generated_token",
         lanes: int | None = None,
         max_prompt_tokens: int | None = None,
+        prefix_cache_dir: str | Path | None = None,
+        prefix_cache_max_bytes: int = 4 << 30,
     ) -> None:
         self._fused_dir = Path(fused_dir)
         self._prefix_messages = prefix_messages
         if quantized is None:
             quantized = os.environ.get("MLX_LOWMEM_QUANTIZED", "keep")
+        if prefix_cache_dir is None:
+            prefix_cache_dir = os.environ.get("MLX_LOWMEM_PREFIX_CACHE_DIR") or None
         self._native = _native.Engine(
             str(fused_dir),
             logits_processor_factory=logits_processor_factory,
@@ -93,6 +104,8 @@ class MlxEngine:
             prefix_cache=prefix_cache,
             lanes=lanes,
             max_prompt_tokens=max_prompt_tokens,
+            prefix_cache_dir=None if prefix_cache_dir is None else str(prefix_cache_dir),
+            prefix_cache_max_bytes=prefix_cache_max_bytes,
         )
         self._loaded = False
         self._tokenizer: Any = None

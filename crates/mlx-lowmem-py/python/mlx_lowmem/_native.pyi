@@ -45,6 +45,8 @@ class Engine:
         prefix_cache: str = "with_generated_token",
         lanes: int | None = None,
         max_prompt_tokens: int | None = None,
+        prefix_cache_dir: str | Path | None = None,
+        prefix_cache_max_bytes: int = 4 << 30,
     ) -> None: ...
     def wait_loaded(self) -> None: ...
     def generate(

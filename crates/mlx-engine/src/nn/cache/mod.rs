@@ -264,7 +264,7 @@ impl KvCache {
     }
 
     /// Every key and value array this cache holds, shared and owned.
-    fn arrays(&self) -> impl Iterator<Item = &Array> {
+    pub(crate) fn arrays(&self) -> impl Iterator<Item = &Array> {
         let shared = self.shared.iter().flatten().flat_map(|(k, v)| [k, v]);
         let owned = self
             .owned

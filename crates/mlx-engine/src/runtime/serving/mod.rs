@@ -296,6 +296,7 @@ pub(crate) struct Counters {
     pub generated_tokens: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub prefix_misses: AtomicU64,
+    pub prefix_folder_reads: AtomicU64,
     pub prefix_entries: AtomicUsize,
     pub prefix_bytes: AtomicUsize,
     /// Seconds the worker spent in steps, in microseconds.
@@ -320,8 +321,12 @@ pub struct ServingMetrics {
     pub generated_tokens: u64,
     /// Requests that found a cached prefix.
     pub prefix_hits: u64,
-    /// Requests with a shareable prefix that had to compute it.
+    /// Requests with a shareable prefix the store did not hold.
     pub prefix_misses: u64,
+    /// Of those, how many read it from the prefix cache folder
+    /// ([`EngineConfig::prefix_cache_dir`](crate::EngineConfig::prefix_cache_dir))
+    /// instead of computing it.
+    pub prefix_folder_reads: u64,
     /// Prefixes held by the store.
     pub prefix_entries: usize,
     /// Their keys' and values' bytes.
@@ -342,6 +347,7 @@ impl Counters {
             generated_tokens: get(&self.generated_tokens),
             prefix_hits: get(&self.prefix_hits),
             prefix_misses: get(&self.prefix_misses),
+            prefix_folder_reads: get(&self.prefix_folder_reads),
             prefix_entries: self.prefix_entries.load(Ordering::Relaxed),
             prefix_bytes: self.prefix_bytes.load(Ordering::Relaxed),
             busy_seconds: get(&self.busy_micros) as f64 / 1e6,

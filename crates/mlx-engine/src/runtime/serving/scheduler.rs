@@ -13,6 +13,7 @@ use crate::evaluation::{host_slice, Why};
 use crate::models::Model;
 use crate::nn::cache::KvCache;
 use crate::runtime::prefill::{prefill_groups, prefill_into};
+use crate::runtime::prefix_disk::{load_or_compute, Origin, PrefixBinding, PrefixDisk};
 use crate::runtime::serving::grammar::RowGrammar;
 use crate::runtime::serving::prefix_store::{Found, PrefixStore};
 use crate::runtime::serving::sampling::{Picked, Sampler};
@@ -32,6 +33,9 @@ pub(crate) struct SchedulerSettings {
     pub max_prompt_tokens: usize,
     pub special_tokens: SpecialTokens,
     pub prefix_store_bytes: usize,
+    /// Where shared prefixes are kept across restarts, and what they are
+    /// bound to there.
+    pub prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
 }
 
 /// A request's row while it decodes.
@@ -274,12 +278,13 @@ impl Scheduler {
             }
             (_, Some(tokens)) => {
                 self.counters.prefix_misses.fetch_add(1, Ordering::Relaxed);
-                let _span = tracing::info_span!("prefix_prefill", tokens = tokens.len()).entered();
-                let mut cache = KvCache::new();
-                prefill_into(model, &mut cache, &[&tokens]).map_err(gen_err)?;
-                let cache = cache.fork(1).map_err(gen_err)?;
-                cache.evaluate().map_err(gen_err)?;
-                self.store.insert(tokens, cache, false)
+                let disk = self.settings.prefix_disk.as_ref();
+                let (prefix, origin) = load_or_compute(model, &tokens, disk).map_err(gen_err)?;
+                if origin == Origin::Folder {
+                    let reads = &self.counters.prefix_folder_reads;
+                    reads.fetch_add(1, Ordering::Relaxed);
+                }
+                self.store.insert(tokens, prefix.cache, false)
             }
             (Some(found), None) => {
                 self.counters.prefix_hits.fetch_add(1, Ordering::Relaxed);
