@@ -209,5 +209,14 @@ pub fn bench(face: &Path, smollm2: &Path, args: &[String]) -> Result<()> {
     if !status.success() {
         bail!("classify.py failed");
     }
+    // Start time with cc-sentiment's prefix, cold and from the folder (the
+    // 4-bit fixture: both arithmetics differ there).
+    let status = Command::new(face)
+        .arg(script("prefix_start.py"))
+        .arg(smollm2.join("q4"))
+        .status()?;
+    if !status.success() {
+        bail!("prefix_start.py failed");
+    }
     Ok(())
 }

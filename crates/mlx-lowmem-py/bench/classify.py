@@ -73,10 +73,10 @@ asyncio.run(main())
 """
 
 
-def run(side: str, model: str, batch: int, texts: list[str]) -> dict:
+def run(side: str, model: str, batch: int, texts: list[str], env: dict[str, str] | None = None) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, side, model, str(batch), json.dumps(texts), str(PARITY)],
-        capture_output=True, text=True, env=os.environ,
+        capture_output=True, text=True, env={**os.environ, **(env or {})},
     )
     lines = done.stdout.strip().splitlines()
     if not lines:
