@@ -190,33 +190,29 @@ pub fn unit_tests(python: &Path) -> Result<()> {
 /// `crates/mlx-lowmem-py/bench`: the crossing of a Python logits processor,
 /// then cc-sentiment's classification both ways, on SmolLM2-135M (f32; `args`
 /// go to classify.py, e.g. `--batches 2,8 --texts 32`, or a model folder
-/// with a chat template as its first argument instead of SmolLM2's).
+/// with a chat template as its first argument instead of SmolLM2's), then
+/// the start time with cc-sentiment's prefix cold and from the cache folder.
 pub fn bench(face: &Path, smollm2: &Path, args: &[String]) -> Result<()> {
-    let script = |name: &str| format!("{CRATE}/bench/{name}");
-    let status = Command::new(face)
-        .arg(script("crossing.py"))
-        .arg(smollm2.join("f32"))
-        .status()?;
-    if !status.success() {
-        bail!("crossing.py failed");
-    }
-    let mut classify = Command::new(face);
-    classify.arg(script("classify.py"));
+    run_script(face, "crossing.py", &[smollm2.join("f32").into()])?;
+    let mut classify_args: Vec<std::ffi::OsString> = Vec::new();
     if args.first().is_none_or(|a| a.starts_with('-')) {
-        classify.arg(smollm2.join("f32"));
+        classify_args.push(smollm2.join("f32").into());
     }
-    let status = classify.args(args).status()?;
-    if !status.success() {
-        bail!("classify.py failed");
-    }
+    classify_args.extend(args.iter().map(Into::into));
+    run_script(face, "classify.py", &classify_args)?;
     // Start time with cc-sentiment's prefix, cold and from the folder (the
     // 4-bit fixture: both arithmetics differ there).
+    run_script(face, "prefix_start.py", &[smollm2.join("q4").into()])
+}
+
+/// `crates/mlx-lowmem-py/bench/NAME` under `face` with `args`.
+fn run_script(face: &Path, name: &str, args: &[std::ffi::OsString]) -> Result<()> {
     let status = Command::new(face)
-        .arg(script("prefix_start.py"))
-        .arg(smollm2.join("q4"))
+        .arg(format!("{CRATE}/bench/{name}"))
+        .args(args)
         .status()?;
     if !status.success() {
-        bail!("prefix_start.py failed");
+        bail!("{name} failed ({status})");
     }
     Ok(())
 }

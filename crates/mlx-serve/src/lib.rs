@@ -255,7 +255,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         (
             "mlx_serve_prefix_cache_misses_total",
             "counter",
-            "Requests whose shareable prefix was computed.",
+            "Requests whose shareable prefix the store did not hold.",
             m.prefix_misses.to_string(),
         ),
         (

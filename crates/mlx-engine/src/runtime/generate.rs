@@ -101,8 +101,6 @@ impl GenState {
                 limit: max_prompt_tokens,
             });
         }
-        // Each rank holds only its stage's layers.
-        let prefix_disk = prefix_disk.filter(|_| placement.group().is_none());
         let mut prefix_cache = KvCache::new();
         if !prefix_tokens.is_empty() {
             let (prefix, _) = load_or_compute(model, &prefix_tokens, prefix_disk.as_ref())?;

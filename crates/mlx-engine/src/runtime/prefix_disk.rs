@@ -11,10 +11,11 @@
 //! it holds: the model's files (their SHA-256, as the ranks of a
 //! distributed job compare them), the adapters' files, the token ids and
 //! the engine's arithmetic (how packed weights are multiplied, which
-//! kernels, the device, MLX's version and the engine's). The file's name is the digest of all of that; a file is used
-//! only if its metadata equals the binding field by field, so a renamed,
-//! truncated, corrupt or foreign file is a warning naming it, then the
-//! prefix is computed again: never a crash, never a wrong answer.
+//! kernels, the device, MLX's version and the engine's). The file's name
+//! is the digest of all of that; a file is used only if its metadata
+//! equals the binding field by field, so a renamed, truncated, corrupt or
+//! foreign file is a warning naming it, then the prefix is computed again:
+//! never a crash, never a wrong answer.
 //!
 //! Writes go to a temporary file beside the target, synced, then renamed:
 //! a process killed while writing leaves a temporary file, never a
