@@ -51,6 +51,15 @@ pub enum Error {
         // would make every `Result` of the engine that much larger.
         source: Box<block_stream::Error>,
     },
+    /// An adapter served per row does not fit the model (a pair whose
+    /// module is no linear layer of it, or whose shapes do not fit), or
+    /// a forward's rows and its choice of adapters disagree.
+    #[error("adapter {name:?} ({dir}): {message}")]
+    Adapter {
+        name: String,
+        dir: PathBuf,
+        message: String,
+    },
     /// A tensor could not become an MLX array.
     #[error(transparent)]
     Tensor(#[from] mlx_support::Error),
@@ -193,6 +202,10 @@ pub enum EngineError {
     /// request's schema needs: every answer would be cut short.
     #[error("max_tokens {max_tokens} is too few: the shortest answer under this schema is {needed} tokens")]
     MaxTokensTooSmall { max_tokens: usize, needed: String },
+    /// A request named an adapter the engine does not serve
+    /// (`EngineConfig::named_adapter`).
+    #[error("no adapter is called {0:?}")]
+    UnknownAdapter(String),
     /// A request that cannot be served as asked (e.g. `max_tokens` 0).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -9,6 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use adapter_codec::AdapterCodec;
+use common::adapter::{write_smollm2_adapter, PREFIX, RANK};
 use common::normal;
 use mlx_engine::{
     BlockLoraSource, EngineConfig, EngineError, GenerateOptions, KvCache, MemoryMode, Message,
@@ -17,39 +18,14 @@ use mlx_engine::{
 use mlx_rs::Array;
 
 const SCALE: f32 = 4.0;
-const RANK: usize = 4;
-const PREFIX: &str = "model.layers.";
 
 fn fixture(variant: &str) -> Option<PathBuf> {
     let dir = PathBuf::from(std::env::var_os("MLX_LOWMEM_SMOLLM2")?).join(variant);
     dir.join("config.json").is_file().then_some(dir)
 }
 
-/// An mlx_lm adapter on SmolLM2's q and v projections of every other
-/// layer: `adapters.safetensors` + `adapter_config.json` in `dir`.
 fn write_adapter(dir: &Path) -> PathBuf {
-    let (hidden, kv) = (576usize, 192usize);
-    let mut tensors = Vec::new();
-    for layer in (0..30).step_by(2) {
-        for (module, out) in [("q_proj", hidden), ("v_proj", kv)] {
-            let key = format!("{PREFIX}{layer}.self_attn.{module}");
-            let seed = (layer * 2 + usize::from(module == "v_proj")) as u64;
-            let a = normal(&[hidden as i32, RANK as i32], seed, 0.03);
-            let b = normal(&[RANK as i32, out as i32], seed + 100, 0.03);
-            tensors.push((format!("{key}.lora_a"), a));
-            tensors.push((format!("{key}.lora_b"), b));
-        }
-    }
-    let file = dir.join("adapters.safetensors");
-    Array::save_safetensors(tensors.iter().map(|(k, v)| (k.as_str(), v)), None, &file).unwrap();
-    std::fs::write(
-        dir.join("adapter_config.json"),
-        format!(
-            r#"{{"fine_tune_type": "lora", "num_layers": 30, "lora_parameters": {{"rank": {RANK}, "scale": {SCALE}, "dropout": 0.0}}}}"#
-        ),
-    )
-    .unwrap();
-    file
+    write_smollm2_adapter(dir, 0, SCALE)
 }
 
 /// The logits of a prompt and of one token after it.

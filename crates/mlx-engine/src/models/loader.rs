@@ -16,6 +16,7 @@ use crate::models::Model;
 use crate::weights::kernels::{Kernels, Products};
 use crate::weights::memory_mode::MemoryMode;
 use crate::weights::plan::Plan;
+use crate::weights::row_lora::RowAdapters;
 use crate::weights::{QuantizedWeights, WeightSource};
 
 /// How to load a model folder: [`Model::loader`] (or
@@ -37,6 +38,7 @@ pub struct ModelLoader {
     quantized: Option<QuantizedWeights>,
     memory: Option<MemoryMode>,
     lora: Vec<BlockLoraSource>,
+    row_adapters: Option<Arc<RowAdapters>>,
     placement: Placement,
     kernels: Option<Kernels>,
 }
@@ -74,6 +76,7 @@ impl ModelLoader {
             quantized: None,
             memory: None,
             lora: Vec::new(),
+            row_adapters: None,
             placement: Placement::Local,
             kernels: None,
         }
@@ -98,6 +101,13 @@ impl ModelLoader {
     /// mode, [`load`](Self::load) is [`Error::AdaptersNeedStreamedLayers`].
     pub fn lora(mut self, lora: Vec<BlockLoraSource>) -> ModelLoader {
         self.lora = lora;
+        self
+    }
+
+    /// Adapters kept unfused beside the weights and applied per row, in
+    /// any memory mode (see `weights/row_lora.rs`).
+    pub(crate) fn row_adapters(mut self, adapters: Arc<RowAdapters>) -> ModelLoader {
+        self.row_adapters = Some(adapters);
         self
     }
 
@@ -141,7 +151,13 @@ impl ModelLoader {
             },
             memory: memory_for(&checkpoint, self.memory, !self.lora.is_empty())?,
         };
-        load(checkpoint, &settings, self.lora, &self.placement)
+        load(
+            checkpoint,
+            &settings,
+            self.lora,
+            self.row_adapters,
+            &self.placement,
+        )
     }
 }
 
@@ -174,6 +190,7 @@ fn load(
     checkpoint: Checkpoint,
     settings: &Settings,
     lora: Vec<BlockLoraSource>,
+    row_adapters: Option<Arc<RowAdapters>>,
     placement: &Placement,
 ) -> Result<Model> {
     let stage = stage_of(&checkpoint, settings.memory, placement)?;
@@ -191,8 +208,12 @@ fn load(
         quant: config.quantization.clone(),
         plan,
         lora: Arc::new(lora),
+        row_adapters: row_adapters.clone(),
     };
     let decoder = (family.load)(config, &source.weights(), &stage)?;
+    if let Some(adapters) = &row_adapters {
+        adapters_fit(adapters, &checkpoint, settings.memory)?;
+    }
     if let Some(group) = placement.group() {
         let layers = stage.is_split().then(|| stage.layers());
         distributed::agree(group, checkpoint.dir(), checkpoint.set(), layers)?;
@@ -215,7 +236,23 @@ fn load(
         settings.memory,
         settings.quantized,
         arithmetic(settings),
-    ))
+    )
+    .with_row_adapters(row_adapters))
+}
+
+/// Every pair of every per-row adapter adapts a linear layer: one built at
+/// load, or, with streamed layers (built when they run), a module whose
+/// weight the files hold.
+fn adapters_fit(adapters: &RowAdapters, checkpoint: &Checkpoint, memory: MemoryMode) -> Result<()> {
+    if memory != MemoryMode::Streamed {
+        return adapters.check_all_used();
+    }
+    adapters.check_modules(|module| {
+        checkpoint
+            .set()
+            .tensor(&format!("{module}.weight"))
+            .is_some()
+    })
 }
 
 /// What decides the loaded model's numbers besides its files (see

@@ -21,7 +21,9 @@ use crate::models::family::Decoder;
 pub(crate) use crate::models::layers::Schedule;
 use crate::nn::cache::KvCache;
 pub use crate::weights::memory_mode::MemoryMode;
+use crate::weights::row_lora::RowAdapters;
 pub use crate::weights::QuantizedWeights;
+use std::sync::Arc;
 
 /// A loaded decoder model: llama, mistral, qwen2, qwen3, qwen3_moe,
 /// mixtral, Gemma 3 or Gemma 4 (text).
@@ -35,6 +37,8 @@ pub struct Model {
     /// [`arithmetic`](Self::arithmetic)).
     arithmetic: String,
     pass_cost_tokens: usize,
+    /// Adapters applied per row, unfused (`weights/row_lora.rs`).
+    row_adapters: Option<Arc<RowAdapters>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -72,6 +76,37 @@ impl Model {
             memory,
             arithmetic,
             pass_cost_tokens,
+            row_adapters: None,
+        }
+    }
+
+    /// This model serving `adapters` per row.
+    pub(crate) fn with_row_adapters(mut self, adapters: Option<Arc<RowAdapters>>) -> Model {
+        self.row_adapters = adapters;
+        self
+    }
+
+    /// The adapters this model serves per row, if any.
+    pub(crate) fn row_adapters(&self) -> Option<&RowAdapters> {
+        self.row_adapters.as_deref()
+    }
+
+    /// Builds the forwards of `build` with row `i` under adapter slot
+    /// `rows[i]` (none: the base model's bits). Rows of no adapter need no
+    /// adapters loaded.
+    pub(crate) fn with_adapters<T>(
+        &self,
+        rows: &[Option<usize>],
+        build: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        match &self.row_adapters {
+            Some(adapters) => adapters.with_rows(rows, build),
+            None if rows.iter().all(Option::is_none) => build(),
+            None => Err(crate::Error::Adapter {
+                name: "(any)".to_owned(),
+                dir: std::path::PathBuf::new(),
+                message: "this model was loaded without adapters".to_owned(),
+            }),
         }
     }
 

@@ -17,6 +17,7 @@ use crossbeam_channel::{unbounded, Sender};
 use crate::error::{panic_message, EngineError};
 use crate::models::checkpoint::Checkpoint;
 use crate::models::Model;
+use crate::runtime::adapters;
 use crate::runtime::generate::{generate_batch, GenSettings, GenState, Generation};
 use crate::runtime::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
 use crate::runtime::prefix_disk::{file_digests, PrefixDisk};
@@ -495,22 +496,17 @@ fn load(
         .then(|| file_digests(&checkpoint, &config.adapters, &config.lora))
         .transpose()
         .map_err(err)?;
-    let mut lora = config.lora;
-    if !config.adapters.is_empty() {
-        let prefix = checkpoint.block_prefix();
-        for dir in &config.adapters {
-            let source = block_stream::MlxLmAdapter::open(dir)
-                .and_then(|a| a.into_block_source(prefix.as_str()))
-                .map_err(|source| {
-                    err(crate::Error::Stream {
-                        dir: dir.clone(),
-                        source: Box::new(source),
-                    })
-                })?;
-            lora.push(source);
-        }
-    }
+    let named = &config.named_adapters;
+    let row_digests = match &digests {
+        Some(_) => adapters::digests(named).map_err(err)?,
+        None => Vec::new(),
+    };
+    let row_adapters = adapters::per_row(named, config.placement.group().is_some())?;
+    let lora = adapters::on_the_fly(&checkpoint, &config.adapters, config.lora).map_err(err)?;
     let mut loader = checkpoint.loader().lora(lora).placement(&config.placement);
+    if let Some(adapters) = row_adapters {
+        loader = loader.row_adapters(adapters);
+    }
     if let Some(quantized) = config.quantized {
         loader = loader.quantized(quantized);
     }
@@ -569,6 +565,7 @@ fn load(
             special_tokens: config.special_tokens,
             prefix_store_bytes: config.prefix_store_bytes,
             prefix_disk,
+            row_digests,
         },
         counters,
         state.shareable_prefix(),

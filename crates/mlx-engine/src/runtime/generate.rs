@@ -103,7 +103,7 @@ impl GenState {
         }
         let mut prefix_cache = KvCache::new();
         if !prefix_tokens.is_empty() {
-            let (prefix, _) = load_or_compute(model, &prefix_tokens, prefix_disk.as_ref())?;
+            let (prefix, _) = load_or_compute(model, &prefix_tokens, None, prefix_disk.as_ref())?;
             prefix_cache = prefix.cache;
             if what_to_cache == PrefixCache::WithGeneratedToken {
                 let logits = model.head(&prefix.last_hidden)?;

@@ -2,6 +2,7 @@
 //! configuration, batched generation on copies of the prefix's cache, and
 //! chunks run side by side on lanes.
 
+pub(crate) mod adapters;
 pub(crate) mod engine;
 pub(crate) mod generate;
 pub(crate) mod lanes;

@@ -76,6 +76,7 @@ pub struct EngineConfig {
     pub(crate) memory: Option<MemoryMode>,
     pub(crate) lora: Vec<block_stream::BlockLoraSource>,
     pub(crate) adapters: Vec<PathBuf>,
+    pub(crate) named_adapters: Vec<(String, PathBuf)>,
     pub(crate) max_prompt_tokens: Option<usize>,
     pub(crate) special_tokens: SpecialTokens,
     pub(crate) prefix_cache: PrefixCache,
@@ -106,6 +107,7 @@ impl EngineConfig {
             memory: None,
             lora: Vec::new(),
             adapters: Vec::new(),
+            named_adapters: Vec::new(),
             max_prompt_tokens: None,
             special_tokens: SpecialTokens::AsText,
             prefix_cache: PrefixCache::Clean,
@@ -263,6 +265,27 @@ impl EngineConfig {
     /// at load.
     pub fn adapter(mut self, dir: impl Into<PathBuf>) -> EngineConfig {
         self.adapters.push(dir.into());
+        self
+    }
+
+    /// An mlx_lm adapter folder served unfused under `name`: a
+    /// [`Completion`](crate::Completion) that names it
+    /// ([`Completion::adapter`](crate::Completion::adapter)) gets its
+    /// LoRA on its own row, `y = x·Wᵀ + s·(x·A)·B` as mlx_lm's
+    /// `LoRALinear` computes it, while rows of other adapters and of none
+    /// decode in the same batch over one copy of the base weights. Any
+    /// memory mode. Its pairs are copied into memory at load (an adapter
+    /// is small beside its base); a pair whose module is no linear layer of
+    /// the model, or whose shapes do not fit it, fails the load naming the
+    /// adapter and the key. Rows without an adapter give the base model's
+    /// bits. Only [`complete`](crate::MlxEngine::complete) picks adapters;
+    /// [`generate`](crate::MlxEngine::generate)'s rows have none.
+    pub fn named_adapter(
+        mut self,
+        name: impl Into<String>,
+        dir: impl Into<PathBuf>,
+    ) -> EngineConfig {
+        self.named_adapters.push((name.into(), dir.into()));
         self
     }
 

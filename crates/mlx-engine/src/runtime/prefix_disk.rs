@@ -58,6 +58,16 @@ pub(crate) struct PrefixBinding {
     pub arithmetic: String,
 }
 
+impl PrefixBinding {
+    /// This binding for a prefix computed under the per-row adapter whose
+    /// files' digest is `digest`.
+    pub(crate) fn under_row_adapter(&self, digest: &str) -> PrefixBinding {
+        let mut binding = self.clone();
+        binding.adapters.push(format!("per row {digest}"));
+        binding
+    }
+}
+
 /// A prefix as it is stored: the one-row cache of exactly its tokens, and
 /// the hidden state of its last position (see
 /// [`prefill_into`](crate::runtime::prefill::prefill_into)).
@@ -81,8 +91,7 @@ pub(crate) fn file_digests(
     let model = identity::model_digest(checkpoint.dir(), checkpoint.set())?;
     let mut digests = Vec::new();
     for dir in adapters {
-        let files = ["adapter_config.json", "adapters.safetensors"].map(|f| dir.join(f));
-        digests.push(identity::files_digest(&files)?);
+        digests.push(crate::runtime::adapters::folder_digest(dir)?);
     }
     for source in lora {
         let file = identity::files_digest(&[source.path().to_path_buf()])?;
@@ -223,6 +232,7 @@ pub(crate) enum Origin {
 pub(crate) fn load_or_compute(
     model: &Model,
     tokens: &[u32],
+    adapter: Option<usize>,
     disk: Option<&(PrefixDisk, PrefixBinding)>,
 ) -> crate::Result<(StoredPrefix, Origin)> {
     if let Some(stored) = disk.and_then(|(disk, binding)| disk.load(binding, tokens)) {
@@ -234,7 +244,8 @@ pub(crate) fn load_or_compute(
     }
     let _span = tracing::info_span!("prefix_prefill", tokens = tokens.len()).entered();
     let mut cache = KvCache::new();
-    let last_hidden = prefill_into(model, &mut cache, &[tokens])?;
+    let last_hidden =
+        model.with_adapters(&[adapter], || prefill_into(model, &mut cache, &[tokens]))?;
     // Held as every fork reads it.
     let cache = cache.fork(1)?;
     evaluate(Why::Step, cache.arrays().chain([&last_hidden]))?;

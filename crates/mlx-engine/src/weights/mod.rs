@@ -18,6 +18,7 @@ pub(crate) mod packed_routed;
 pub(crate) mod plan;
 pub(crate) mod quantized;
 pub(crate) mod routed;
+pub(crate) mod row_lora;
 pub(crate) mod rows;
 pub(crate) mod slices;
 pub(crate) mod unpack;
@@ -53,6 +54,8 @@ pub(crate) struct WeightSource {
     pub plan: Plan,
     /// Adapters applied to streamed layers as they are read.
     pub lora: Arc<Vec<block_stream::BlockLoraSource>>,
+    /// Adapters kept unfused and applied per row (`row_lora`).
+    pub row_adapters: Option<Arc<row_lora::RowAdapters>>,
 }
 
 impl WeightSource {
@@ -232,6 +235,14 @@ impl Weights<'_> {
     /// `module`'s `weight` (and `bias`) of a layer from `inputs` to
     /// `outputs`, quantized when `scales` exists.
     pub fn linear(&self, module: &KeyPath, inputs: usize, outputs: usize) -> Result<Linear> {
+        let base = self.base_linear(module, inputs, outputs)?;
+        match &self.source.row_adapters {
+            Some(adapters) => adapters.wrap(module.as_str(), inputs, base),
+            None => Ok(base),
+        }
+    }
+
+    fn base_linear(&self, module: &KeyPath, inputs: usize, outputs: usize) -> Result<Linear> {
         let bias_key = module.join("bias");
         let bias = if self.has(&bias_key) {
             Some(self.array(&bias_key, &[outputs])?)

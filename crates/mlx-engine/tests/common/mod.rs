@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod adapter;
 pub mod converted;
 pub mod gemma_words;
 pub mod logits;

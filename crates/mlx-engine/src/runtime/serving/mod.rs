@@ -115,6 +115,11 @@ pub struct Completion {
     /// What the answer must be (JSON under a schema); every token is
     /// picked among those that keep it so.
     pub constraint: Option<Constraint>,
+    /// The adapter (an [`EngineConfig::named_adapter`] name) this row
+    /// decodes with; `None`: the base model.
+    ///
+    /// [`EngineConfig::named_adapter`]: crate::EngineConfig::named_adapter
+    pub adapter: Option<String>,
 }
 
 impl Completion {
@@ -128,7 +133,14 @@ impl Completion {
             stop: Vec::new(),
             deadline: None,
             constraint: None,
+            adapter: None,
         }
+    }
+
+    /// Decodes with the adapter served as `name`.
+    pub fn adapter(mut self, name: impl Into<String>) -> Completion {
+        self.adapter = Some(name.into());
+        self
     }
 
     /// At most `n` tokens.

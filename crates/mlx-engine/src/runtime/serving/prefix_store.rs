@@ -1,11 +1,12 @@
 //! The caches of prompt prefixes that requests share, bounded in bytes.
 //!
-//! Keyed by token ids: an entry holds the keys and values of exactly its
-//! tokens, as a one-row cache that forks share without copying (see
+//! Keyed by the adapter the prefix was computed under (none, or one of
+//! the engine's per-row adapters) and its token ids: an entry holds the
+//! keys and values of exactly its tokens, as a one-row cache that forks share without copying (see
 //! [`KvCache::fork`]). A prompt reuses the longest entry whose tokens it
 //! starts with (and goes past: a row needs at least one token of its own to
 //! prefill). The model is the engine's own, so one store per engine is
-//! keyed by tokens alone. Entries are evicted least recently used first
+//! keyed by adapter and tokens. Entries are evicted least recently used first
 //! once their bytes pass the store's size; a pinned entry (the engine's
 //! configured prefix messages) never is.
 
@@ -15,6 +16,7 @@ use crate::nn::cache::KvCache;
 #[derive(Debug)]
 struct Entry {
     id: u64,
+    adapter: Option<usize>,
     tokens: Vec<u32>,
     cache: KvCache,
     bytes: usize,
@@ -61,13 +63,15 @@ impl PrefixStore {
         )
     }
 
-    /// The longest entry that `prompt` starts with and goes past.
-    pub(crate) fn lookup(&mut self, prompt: &[u32]) -> Option<Found> {
+    /// The longest entry of `adapter`'s that `prompt` starts with and goes
+    /// past.
+    pub(crate) fn lookup(&mut self, adapter: Option<usize>, prompt: &[u32]) -> Option<Found> {
         self.clock += 1;
         let clock = self.clock;
         let entry = self
             .entries
             .iter_mut()
+            .filter(|e| e.adapter == adapter)
             .filter(|e| e.tokens.len() < prompt.len() && prompt.starts_with(&e.tokens))
             .max_by_key(|e| e.tokens.len())?;
         entry.last_used = clock;
@@ -78,10 +82,16 @@ impl PrefixStore {
         })
     }
 
-    /// Adds the cache of `tokens` (a one-row cache holding exactly them);
-    /// evicts what no longer fits. Returns it as found, also when it was
-    /// too big to keep.
-    pub(crate) fn insert(&mut self, tokens: Vec<u32>, cache: KvCache, pinned: bool) -> Found {
+    /// Adds the cache of `tokens` under `adapter` (a one-row cache holding
+    /// exactly them); evicts what no longer fits. Returns it as found, also
+    /// when it was too big to keep.
+    pub(crate) fn insert(
+        &mut self,
+        adapter: Option<usize>,
+        tokens: Vec<u32>,
+        cache: KvCache,
+        pinned: bool,
+    ) -> Found {
         self.clock += 1;
         let id = self.next_id;
         self.next_id += 1;
@@ -97,6 +107,7 @@ impl PrefixStore {
         }
         self.entries.push(Entry {
             id,
+            adapter,
             tokens,
             cache,
             bytes,
@@ -157,24 +168,29 @@ mod tests {
     #[test]
     fn the_longest_prefix_wins_and_the_least_recently_used_goes_first() {
         let mut store = PrefixStore::new(32 * 10);
-        let pinned = store.insert(vec![1, 2], cache_of(2), true).id;
-        let a = store.insert(vec![1, 2, 3, 4], cache_of(4), false).id;
-        assert_eq!(store.lookup(&[1, 2, 3, 4, 5]).unwrap().id, a);
+        let pinned = store.insert(None, vec![1, 2], cache_of(2), true).id;
+        let a = store.insert(None, vec![1, 2, 3, 4], cache_of(4), false).id;
+        assert_eq!(store.lookup(None, &[1, 2, 3, 4, 5]).unwrap().id, a);
         // A prompt that is only the prefix has nothing to prefill.
-        assert_eq!(store.lookup(&[1, 2, 3, 4]).unwrap().id, pinned);
-        assert!(store.lookup(&[2, 1, 3]).is_none());
-        let b = store.insert(vec![7, 7, 7, 7], cache_of(4), false).id;
+        assert_eq!(store.lookup(None, &[1, 2, 3, 4]).unwrap().id, pinned);
+        assert!(store.lookup(None, &[2, 1, 3]).is_none());
+        let b = store.insert(None, vec![7, 7, 7, 7], cache_of(4), false).id;
         // Three of 4 positions pass 10: a, used least recently, goes.
-        let c = store.insert(vec![9, 9, 9, 9], cache_of(4), false).id;
-        assert!(store.lookup(&[1, 2, 3, 4, 5]).map(|f| f.id) != Some(a));
-        assert_eq!(store.lookup(&[7, 7, 7, 7, 1]).unwrap().id, b);
-        assert_eq!(store.lookup(&[9, 9, 9, 9, 1]).unwrap().id, c);
+        let c = store.insert(None, vec![9, 9, 9, 9], cache_of(4), false).id;
+        assert!(store.lookup(None, &[1, 2, 3, 4, 5]).map(|f| f.id) != Some(a));
+        assert_eq!(store.lookup(None, &[7, 7, 7, 7, 1]).unwrap().id, b);
+        assert_eq!(store.lookup(None, &[9, 9, 9, 9, 1]).unwrap().id, c);
         assert_eq!(store.size().0, 3, "the pinned entry and two of four");
         // Too big for the store: answered, not kept.
-        let big = store.insert(vec![5; 20], cache_of(20), false);
+        let big = store.insert(None, vec![5; 20], cache_of(20), false);
         assert_eq!(big.len, 20);
-        assert!(store.lookup(&[5; 21]).is_none());
+        assert!(store.lookup(None, &[5; 21]).is_none());
         assert_eq!(store.size().0, 3, "nothing evicted for it");
-        assert_eq!(store.lookup(&[1, 2, 0]).unwrap().id, pinned);
+        assert_eq!(store.lookup(None, &[1, 2, 0]).unwrap().id, pinned);
+        // Another adapter's prefix of the same tokens is another entry.
+        assert!(store.lookup(Some(0), &[1, 2, 0]).is_none());
+        let under = store.insert(Some(0), vec![1, 2], cache_of(2), false).id;
+        assert_eq!(store.lookup(Some(0), &[1, 2, 0]).unwrap().id, under);
+        assert_eq!(store.lookup(None, &[1, 2, 0]).unwrap().id, pinned);
     }
 }

@@ -36,6 +36,8 @@ pub(crate) struct SchedulerSettings {
     /// Where shared prefixes are kept across restarts, and what they are
     /// bound to there.
     pub prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
+    /// The per-row adapters' digests, by slot (with a prefix folder).
+    pub row_digests: Vec<String>,
 }
 
 /// A request's row while it decodes.
@@ -54,6 +56,8 @@ struct Row {
     next: u32,
     /// The row's structured-output constraint, if any.
     matcher: Option<RowGrammar>,
+    /// The per-row adapter's slot, if any.
+    adapter: Option<usize>,
 }
 
 /// Rows that share one prefix's cache, decoded as one batch.
@@ -91,7 +95,7 @@ impl Scheduler {
     ) -> Scheduler {
         let mut store = PrefixStore::new(settings.prefix_store_bytes);
         if let Some((tokens, cache)) = pinned {
-            store.insert(tokens, cache, true);
+            store.insert(None, tokens, cache, true);
         }
         let scheduler = Scheduler {
             settings,
@@ -188,7 +192,14 @@ impl Scheduler {
                     .send(StreamEvent::Failed(EngineError::DeadlineExceeded));
                 continue;
             }
-            match self.tokenize(model, tokenizer, &pending) {
+            let adapter = match adapter_slot(model, pending.completion.adapter.as_deref()) {
+                Ok(slot) => slot,
+                Err(e) => {
+                    let _ = pending.events.send(StreamEvent::Failed(e));
+                    continue;
+                }
+            };
+            match self.tokenize(model, tokenizer, &pending, adapter) {
                 Ok((prefix, suffix, prompt_tokens)) => {
                     let matcher = pending.matcher;
                     let c = pending.completion;
@@ -204,6 +215,7 @@ impl Scheduler {
                         cached_tokens: prefix.len,
                         next: 0,
                         matcher,
+                        adapter,
                     };
                     admitted.push(Admitted {
                         row,
@@ -246,6 +258,7 @@ impl Scheduler {
         model: &Model,
         tokenizer: &Tokenizer,
         pending: &Pending,
+        adapter: Option<usize>,
     ) -> Result<(Found, Vec<u32>, usize), EngineError> {
         let messages = &pending.completion.messages;
         let special = self.settings.special_tokens;
@@ -265,7 +278,7 @@ impl Scheduler {
         if let Some(&id) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(gen_err(crate::Error::TokenOutOfRange { id, vocab }));
         }
-        let found = self.store.lookup(&prompt);
+        let found = self.store.lookup(adapter, &prompt);
         let shareable = shared_messages(messages)
             .map(|leading| tokenizer.chat_tokens(leading, false, special))
             .transpose()
@@ -278,13 +291,14 @@ impl Scheduler {
             }
             (_, Some(tokens)) => {
                 self.counters.prefix_misses.fetch_add(1, Ordering::Relaxed);
-                let disk = self.settings.prefix_disk.as_ref();
-                let (prefix, origin) = load_or_compute(model, &tokens, disk).map_err(gen_err)?;
+                let disk = self.prefix_disk(adapter);
+                let (prefix, origin) =
+                    load_or_compute(model, &tokens, adapter, disk.as_ref()).map_err(gen_err)?;
                 if origin == Origin::Folder {
                     let reads = &self.counters.prefix_folder_reads;
                     reads.fetch_add(1, Ordering::Relaxed);
                 }
-                self.store.insert(tokens, prefix.cache, false)
+                self.store.insert(adapter, tokens, prefix.cache, false)
             }
             (Some(found), None) => {
                 self.counters.prefix_hits.fetch_add(1, Ordering::Relaxed);
@@ -306,6 +320,17 @@ impl Scheduler {
         Ok((prefix, suffix, prompt.len()))
     }
 
+    /// The prefix folder and its binding for a prefix computed under
+    /// `adapter`.
+    fn prefix_disk(&self, adapter: Option<usize>) -> Option<(PrefixDisk, PrefixBinding)> {
+        let (disk, binding) = self.settings.prefix_disk.as_ref()?;
+        let binding = match adapter {
+            Some(slot) => binding.under_row_adapter(self.settings.row_digests.get(slot)?),
+            None => binding.clone(),
+        };
+        Some((disk.clone(), binding))
+    }
+
     /// Prefills `group` (one prefix, similar lengths) as one block, picks
     /// each row's first token, and adds the rows that go on to their
     /// prefix's batch.
@@ -319,8 +344,12 @@ impl Scheduler {
         let prefix = group[0].prefix.clone();
         let mut cache = prefix.cache.fork(group.len() as i32)?;
         let rows: Vec<&[u32]> = group.iter().map(|a| a.suffix.as_slice()).collect();
-        let last = prefill_into(model, &mut cache, &rows)?;
-        let logits = host_logits(&model.head(&last)?)?;
+        let adapters: Vec<Option<usize>> = group.iter().map(|a| a.row.adapter).collect();
+        let logits = model.with_adapters(&adapters, || {
+            let last = prefill_into(model, &mut cache, &rows)?;
+            model.head(&last)
+        })?;
+        let logits = host_logits(&logits)?;
         let vocab = logits.len() / group.len();
         let mut keep = Vec::new();
         let mut joining = Vec::new();
@@ -350,6 +379,18 @@ impl Scheduler {
         }
         Ok(())
     }
+}
+
+/// The slot of the per-row adapter `name`, if a request names one.
+fn adapter_slot(model: &Model, name: Option<&str>) -> Result<Option<usize>, EngineError> {
+    let Some(name) = name else {
+        return Ok(None);
+    };
+    model
+        .row_adapters()
+        .and_then(|a| a.slot(name))
+        .map(Some)
+        .ok_or_else(|| EngineError::UnknownAdapter(name.to_owned()))
 }
 
 /// The leading system (or developer) messages: what requests of one
@@ -420,7 +461,10 @@ fn decode(
 ) -> crate::Result<()> {
     let ids: Vec<i32> = cohort.rows.iter().map(|r| r.next as i32).collect();
     let tokens = Array::from_slice(&ids, &[ids.len() as i32, 1]);
-    let logits = host_logits(&model.forward_last(&tokens, &mut cohort.cache)?)?;
+    let adapters: Vec<Option<usize>> = cohort.rows.iter().map(|r| r.adapter).collect();
+    let logits =
+        model.with_adapters(&adapters, || model.forward_last(&tokens, &mut cohort.cache))?;
+    let logits = host_logits(&logits)?;
     let vocab = logits.len() / ids.len();
     let mut keep = Vec::with_capacity(ids.len());
     for (i, row) in cohort.rows.iter_mut().enumerate() {

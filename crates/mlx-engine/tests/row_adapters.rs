@@ -1,0 +1,280 @@
+//! Adapters served unfused, chosen per request
+//! (`EngineConfig::named_adapter`, `Completion::adapter`): rows of two
+//! adapters and of none decode in one batch over one copy of SmolLM2, a
+//! row with adapter X answers, greedy, as the model fused with X by
+//! adapter-fuse does (logits within the rounding that tells a fused weight
+//! from an unfused product), a row with none as the base model bit for
+//! bit; shared prefixes are kept per adapter; an adapter that adapts no
+//! layer fails the load naming it and the key. Skips, saying so, without
+//! the fixture (`cargo xtask fixtures`).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use adapter_codec::AdapterCodec;
+use common::adapter::write_smollm2_adapter;
+use mlx_engine::{
+    Completion, CompletionText, EngineConfig, EngineError, MemoryMode, Message, MlxEngine,
+    QuantizedWeights,
+};
+use mlx_rs::Array;
+
+/// Strong enough to change greedy answers.
+const SCALE: f32 = 64.0;
+
+fn fixture(test: &str, variant: &str) -> Option<PathBuf> {
+    let Some(root) = std::env::var_os("MLX_LOWMEM_SMOLLM2") else {
+        eprintln!("SKIP {test}: MLX_LOWMEM_SMOLLM2 is not set (cargo xtask fixtures)");
+        return None;
+    };
+    Some(PathBuf::from(root).join(variant))
+}
+
+const PROMPTS: [&str; 3] = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Tell me a story about a dragon.",
+];
+
+fn user(text: &str) -> Vec<Message> {
+    vec![Message::new("user", text)]
+}
+
+/// The greedy answers of `engine` to `completions` (up to 10 tokens
+/// unless they say fewer), sent together so that they decode in one
+/// batch.
+fn together(engine: &MlxEngine, completions: Vec<Completion>) -> Vec<CompletionText> {
+    let streams: Vec<_> = completions
+        .into_iter()
+        .map(|c| {
+            let n = c.max_tokens.min(10);
+            engine.complete(c.max_tokens(n).logprobs(2)).unwrap()
+        })
+        .collect();
+    streams.into_iter().map(|s| s.collect().unwrap()).collect()
+}
+
+/// The fused copy of `base` with the adapter in `dir`.
+fn fused(base: &Path, dir: &Path, hub: &Path, name: &str) -> PathBuf {
+    let codec = AdapterCodec::new(
+        dir.join("adapters.safetensors.zst"),
+        dir.join("adapter_config.json"),
+    );
+    codec.encode(dir.join("adapters.safetensors")).unwrap();
+    adapter_fuse::Fuse::new(base.to_str().unwrap(), &codec, name)
+        .options(&adapter_fuse::FuseOptions::from_env().with_cache_root(hub.to_path_buf()))
+        .run()
+        .unwrap()
+}
+
+/// The largest difference of the chosen tokens' logprobs.
+fn logprob_gap(a: &CompletionText, b: &CompletionText) -> f32 {
+    a.logprobs
+        .iter()
+        .zip(&b.logprobs)
+        .map(|((x, _), (y, _))| (x.logprob - y.logprob).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn rows_of_two_adapters_and_of_none_in_one_batch_answer_as_the_fused_models() {
+    let test = "rows_of_two_adapters_and_of_none";
+    let Some(base) = fixture(test, "f32") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let (x_dir, y_dir) = (work.path().join("x"), work.path().join("y"));
+    write_smollm2_adapter(&x_dir, 0, SCALE);
+    write_smollm2_adapter(&y_dir, 500, SCALE);
+    let hub = work.path().join("hub");
+    let x_fused = fused(&base, &x_dir, &hub, "row-adapters-x");
+    let y_fused = fused(&base, &y_dir, &hub, "row-adapters-y");
+    let plain = |dir: &Path| MlxEngine::new(EngineConfig::new(dir).batch_size(3)).unwrap();
+    let alone = |dir: &Path, i: usize| {
+        together(&plain(dir), vec![Completion::new(user(PROMPTS[i]))]).remove(0)
+    };
+    let expected = [alone(&x_fused, 1), alone(&y_fused, 2)];
+    assert_ne!(
+        alone(&base, 1).tokens,
+        expected[0].tokens,
+        "adapter x changes nothing"
+    );
+    // The base row beside two others, as the batch runs without adapters.
+    let base_row = together(
+        &plain(&base),
+        (0..3).map(|i| Completion::new(user(PROMPTS[i]))).collect(),
+    )
+    .remove(0);
+    for memory in [MemoryMode::Resident, MemoryMode::Streamed] {
+        let engine = MlxEngine::new(
+            EngineConfig::new(&base)
+                .batch_size(3)
+                .memory(memory)
+                .named_adapter("x", &x_dir)
+                .named_adapter("y", &y_dir),
+        )
+        .unwrap();
+        let answers = together(
+            &engine,
+            vec![
+                Completion::new(user(PROMPTS[0])),
+                Completion::new(user(PROMPTS[1])).adapter("x"),
+                Completion::new(user(PROMPTS[2])).adapter("y"),
+            ],
+        );
+        assert_eq!(
+            answers[0], base_row,
+            "{memory:?}: the base row, bit for bit"
+        );
+        for (i, name) in [(1, "x"), (2, "y")] {
+            let expected = &expected[i - 1];
+            assert_eq!(
+                answers[i].tokens, expected.tokens,
+                "{memory:?}: the row of adapter {name}"
+            );
+            let gap = logprob_gap(&answers[i], expected);
+            eprintln!("{memory:?} adapter {name}: largest logprob difference from the fused model {gap:e}");
+            assert!(gap < 1e-3, "{memory:?} {name}: {gap}");
+        }
+    }
+}
+
+#[test]
+fn a_quantized_base_serves_adapters_per_row_as_its_fused_copy() {
+    let test = "a_quantized_base_serves_adapters_per_row";
+    let Some(base) = fixture(test, "q4") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let x_dir = work.path().join("x");
+    // Milder than the f32 test's: the fused copy re-quantizes `W + ΔW` to
+    // 4 bits, whose rounding grows with the delta.
+    write_smollm2_adapter(&x_dir, 0, 8.0);
+    let x_fused = fused(&base, &x_dir, &work.path().join("hub"), "row-adapters-q4");
+    let q = QuantizedWeights::DequantizeOnUse;
+    let config = |dir: &Path| EngineConfig::new(dir).batch_size(2).quantized(q);
+    let expected = together(
+        &MlxEngine::new(config(&x_fused)).unwrap(),
+        vec![Completion::new(user(PROMPTS[0]))],
+    );
+    // Six tokens: the base answer to the first prompt ends at its
+    // seventh, and a row alone runs other products than a batch of two.
+    let base_beside = together(
+        &MlxEngine::new(config(&base)).unwrap(),
+        vec![
+            Completion::new(user(PROMPTS[0])).max_tokens(6),
+            Completion::new(user(PROMPTS[1])).max_tokens(6),
+        ],
+    );
+    let engine = MlxEngine::new(config(&base).named_adapter("x", &x_dir)).unwrap();
+    let answers = together(
+        &engine,
+        vec![
+            Completion::new(user(PROMPTS[0])).adapter("x").max_tokens(6),
+            Completion::new(user(PROMPTS[1])).max_tokens(6),
+        ],
+    );
+    assert_eq!(answers[1], base_beside[1], "the base row, bit for bit");
+    eprintln!("{:?}\n{:?}", answers[0].logprobs, expected[0].logprobs);
+    assert_eq!(answers[0].tokens[..6], expected[0].tokens[..6]);
+    // The fused weight is re-quantized: a different model by its rounding
+    // (logprobs 0.6 apart on this prompt), the same greedy answer.
+    let gap = logprob_gap(&answers[0], &expected[0]);
+    eprintln!("q4 adapter x: largest logprob difference from the fused model {gap:e}");
+    assert!(gap < 1.0, "{gap}");
+}
+
+#[test]
+fn prefixes_are_kept_per_adapter_and_unknown_or_unfitting_adapters_are_errors() {
+    let test = "prefixes_are_kept_per_adapter";
+    let Some(base) = fixture(test, "f32") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let x_dir = work.path().join("x");
+    write_smollm2_adapter(&x_dir, 0, SCALE);
+    let engine = MlxEngine::new(
+        EngineConfig::new(&base)
+            .batch_size(2)
+            .named_adapter("x", &x_dir),
+    )
+    .unwrap();
+    let with_system = |text: &str| {
+        vec![
+            Message::new("system", "You are a terse assistant. Answer in one line."),
+            Message::new("user", text),
+        ]
+    };
+    let base_first = together(&engine, vec![Completion::new(with_system(PROMPTS[0]))]);
+    let x_first = together(
+        &engine,
+        vec![Completion::new(with_system(PROMPTS[0])).adapter("x")],
+    );
+    assert_ne!(base_first[0].tokens, x_first[0].tokens);
+    let metrics = engine.serving_metrics();
+    assert_eq!(
+        (metrics.prefix_hits, metrics.prefix_misses),
+        (0, 2),
+        "the adapter's prefix is its own"
+    );
+    let again = together(
+        &engine,
+        vec![
+            Completion::new(with_system(PROMPTS[0])).adapter("x"),
+            Completion::new(with_system(PROMPTS[0])),
+        ],
+    );
+    assert_eq!(again[0].tokens, x_first[0].tokens);
+    assert_eq!(again[1].tokens, base_first[0].tokens);
+    assert_eq!(engine.serving_metrics().prefix_hits, 2);
+
+    match engine
+        .complete(Completion::new(user("hi")).adapter("z"))
+        .unwrap()
+        .collect()
+    {
+        Err(EngineError::UnknownAdapter(name)) => assert_eq!(name, "z"),
+        other => panic!("{other:?}"),
+    }
+
+    // A pair for a module the model lacks: the load names the adapter and
+    // the key.
+    let bad = work.path().join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(
+        x_dir.join("adapter_config.json"),
+        bad.join("adapter_config.json"),
+    )
+    .unwrap();
+    let mut tensors: Vec<(String, Array)> =
+        Array::load_safetensors(x_dir.join("adapters.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    tensors.push((
+        "model.layers.3.self_attn.q_norm.lora_a".into(),
+        common::normal(&[576, 4], 1, 0.1),
+    ));
+    tensors.push((
+        "model.layers.3.self_attn.q_norm.lora_b".into(),
+        common::normal(&[4, 576], 2, 0.1),
+    ));
+    Array::save_safetensors(
+        tensors.iter().map(|(k, v)| (k.as_str(), v)),
+        None,
+        bad.join("adapters.safetensors"),
+    )
+    .unwrap();
+    let engine = MlxEngine::new(EngineConfig::new(&base).named_adapter("bad", &bad)).unwrap();
+    match engine.ensure_loaded() {
+        Err(EngineError::Load(e)) => {
+            let message = e.to_string();
+            assert!(
+                message.contains("\"bad\"") && message.contains("model.layers.3.self_attn.q_norm"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
