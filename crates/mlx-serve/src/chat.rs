@@ -29,6 +29,8 @@ const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// What a checked request asks besides its completion.
 struct Asked {
+    /// The id the request named (the base, or the base with an adapter).
+    model: String,
     stream: bool,
     include_usage: bool,
     logprobs: bool,
@@ -59,7 +61,7 @@ pub(crate) async fn chat_completions(
     let answer = Answer {
         id,
         created: now(),
-        model: state.model_id.clone(),
+        model: asked.model.clone(),
     };
     if asked.stream {
         Ok(answer.stream(stream, asked).into_response())
@@ -85,16 +87,18 @@ fn parse(body: &[u8]) -> Result<ChatRequest, ApiError> {
 
 /// The request's fields checked against what this server offers.
 fn check(state: &AppState, r: ChatRequest) -> Result<(Completion, Asked), ApiError> {
-    if r.model != state.model_id {
+    let Ok(adapter) = state.adapter_of(&r.model) else {
+        let served: Vec<String> = state.served_ids().map(|id| format!("'{id}'")).collect();
         return Err(ApiError::invalid(
             "model",
             format!(
-                "model '{}' is not served here; this server serves '{}'",
-                r.model, state.model_id
+                "model '{}' is not served here; this server serves {}",
+                r.model,
+                served.join(", ")
             ),
         )
         .code("model_not_found"));
-    }
+    };
     if r.messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
@@ -242,6 +246,9 @@ fn check(state: &AppState, r: ChatRequest) -> Result<(Completion, Asked), ApiErr
     if let Some(constraint) = constraint {
         completion = completion.constraint(constraint);
     }
+    if let Some(adapter) = adapter {
+        completion = completion.adapter(adapter);
+    }
     let stream = r.stream.unwrap_or(false);
     let asked = Asked {
         stream,
@@ -250,6 +257,7 @@ fn check(state: &AppState, r: ChatRequest) -> Result<(Completion, Asked), ApiErr
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
         logprobs,
+        model: r.model,
     };
     Ok((completion, asked))
 }

@@ -73,6 +73,12 @@ impl ApiError {
                 Some("response_format"),
                 Some("unsupported_schema"),
             ),
+            EngineError::UnknownAdapter(_) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("model"),
+                Some("model_not_found"),
+            ),
             EngineError::InvalidRequest(_) => {
                 (StatusCode::BAD_REQUEST, "invalid_request_error", None, None)
             }

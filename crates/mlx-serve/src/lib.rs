@@ -45,6 +45,10 @@ pub use error::ApiError;
 pub struct Settings {
     /// The id clients name in `model` (and `/v1/models` lists).
     pub model_id: String,
+    /// The names of the adapters the engine serves per row
+    /// (`EngineConfig::named_adapter`): a request naming
+    /// `"{model_id}:{name}"` decodes with that adapter.
+    pub adapters: Vec<String>,
     /// `max_tokens` when a request gives none.
     pub default_max_tokens: usize,
     /// A request not done by then ends with a 504 (or an error event).
@@ -59,10 +63,18 @@ impl Settings {
     pub fn new(model_id: impl Into<String>) -> Settings {
         Settings {
             model_id: model_id.into(),
+            adapters: Vec::new(),
             default_max_tokens: 512,
             request_timeout: Duration::from_secs(600),
             shutdown_grace: Duration::from_secs(30),
         }
+    }
+
+    /// The names of the adapters the engine was configured with
+    /// (`EngineConfig::named_adapter`), offered as `"{model_id}:{name}"`.
+    pub fn adapters(mut self, names: Vec<String>) -> Settings {
+        self.adapters = names;
+        self
     }
 
     /// `max_tokens` when a request gives none.
@@ -88,6 +100,7 @@ impl Settings {
 pub(crate) struct AppState {
     pub engine: Arc<MlxEngine>,
     pub model_id: String,
+    pub adapters: Vec<String>,
     pub vocab_size: usize,
     pub default_max_tokens: usize,
     pub request_timeout: Duration,
@@ -95,6 +108,33 @@ pub(crate) struct AppState {
 }
 
 impl AppState {
+    /// The ids a request may name: the base model, then the base with
+    /// each adapter.
+    pub(crate) fn served_ids(&self) -> impl Iterator<Item = String> + '_ {
+        let base = std::iter::once(self.model_id.clone());
+        base.chain(
+            self.adapters
+                .iter()
+                .map(|a| format!("{}:{a}", self.model_id)),
+        )
+    }
+
+    /// The adapter a request's `model` names: `Ok(None)` for the base
+    /// model, `Err(())` for an id this server does not serve.
+    pub(crate) fn adapter_of(&self, model: &str) -> Result<Option<String>, ()> {
+        if model == self.model_id {
+            return Ok(None);
+        }
+        let name = model
+            .strip_prefix(self.model_id.as_str())
+            .and_then(|rest| rest.strip_prefix(':'))
+            .ok_or(())?;
+        match self.adapters.iter().any(|a| a == name) {
+            true => Ok(Some(name.to_owned())),
+            false => Err(()),
+        }
+    }
+
     pub(crate) fn next_id(&self) -> u64 {
         self.ids.fetch_add(1, Ordering::Relaxed)
     }
@@ -113,6 +153,7 @@ pub fn router(engine: Arc<MlxEngine>, settings: &Settings) -> anyhow::Result<Rou
     let state = Arc::new(AppState {
         engine,
         model_id: settings.model_id.clone(),
+        adapters: settings.adapters.clone(),
         vocab_size,
         default_max_tokens: settings.default_max_tokens,
         request_timeout: settings.request_timeout,
@@ -181,12 +222,15 @@ async fn not_found() -> ApiError {
 async fn models(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     Json(wire::ModelList {
         object: "list",
-        data: vec![wire::ModelCard {
-            id: state.model_id.clone(),
-            object: "model",
-            created: 0,
-            owned_by: "mlx-lowmem",
-        }],
+        data: state
+            .served_ids()
+            .map(|id| wire::ModelCard {
+                id,
+                object: "model",
+                created: 0,
+                owned_by: "mlx-lowmem",
+            })
+            .collect(),
     })
 }
 

@@ -34,6 +34,12 @@ struct Args {
     /// The id clients name in `model`; default: the folder's name.
     #[arg(long)]
     model_id: Option<String>,
+    /// An mlx_lm adapter folder served unfused beside the base, as
+    /// `NAME=DIR`; a request naming `MODEL_ID:NAME` decodes with it, in
+    /// the same batch as requests of other adapters and of none.
+    /// Repeatable.
+    #[arg(long = "adapter", value_name = "NAME=DIR", value_parser = named_adapter)]
+    adapters: Vec<(String, PathBuf)>,
     /// Address to listen on (127.0.0.1 by default: nothing outside this
     /// machine reaches it).
     #[arg(long, default_value = "127.0.0.1")]
@@ -77,6 +83,17 @@ struct Args {
     shutdown_grace: f64,
 }
 
+/// `NAME=DIR`, the name without `:` (it follows one in a request's id).
+fn named_adapter(arg: &str) -> Result<(String, PathBuf), String> {
+    let (name, dir) = arg
+        .split_once('=')
+        .ok_or_else(|| format!("{arg:?} is not NAME=DIR"))?;
+    if name.is_empty() || name.contains(':') {
+        return Err(format!("adapter name {name:?}: not empty, no ':'"));
+    }
+    Ok((name.to_owned(), PathBuf::from(dir)))
+}
+
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -106,6 +123,9 @@ fn run() -> anyhow::Result<()> {
         .max_queue(args.max_queue)
         .prefix_store_bytes(args.prefix_store_mb << 20)
         .worker_name("mlx-serve-engine");
+    for (name, dir) in &args.adapters {
+        config = config.named_adapter(name, dir);
+    }
     if let Some(dir) = &args.prefix_cache_dir {
         config = config.prefix_cache_dir(dir, args.prefix_cache_dir_mb << 20);
     }
@@ -127,6 +147,7 @@ fn run() -> anyhow::Result<()> {
         .ensure_loaded()
         .with_context(|| format!("loading {}", args.model_dir.display()))?;
     let settings = mlx_serve::Settings::new(model_id.clone())
+        .adapters(args.adapters.iter().map(|(name, _)| name.clone()).collect())
         .default_max_tokens(args.default_max_tokens)
         .request_timeout(Duration::from_secs_f64(args.request_timeout))
         .shutdown_grace(Duration::from_secs_f64(args.shutdown_grace));

@@ -688,3 +688,92 @@ fn a_restarted_server_reads_its_shared_prefix_from_the_folder() {
         1.0
     );
 }
+
+#[test]
+fn requests_name_an_adapter_by_model_id_and_decode_together_with_the_base() {
+    let Some(model) = smollm2("requests_name_an_adapter_by_model_id") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let (x, y) = (work.path().join("x"), work.path().join("y"));
+    test_support::smollm2_adapter::write_smollm2_adapter(&x, 0, 64.0);
+    test_support::smollm2_adapter::write_smollm2_adapter(&y, 500, 64.0);
+    let (x_arg, y_arg) = (format!("x={}", x.display()), format!("y={}", y.display()));
+    let server = Server::start(
+        &model,
+        &[
+            "--batch-size",
+            "3",
+            "--adapter",
+            &x_arg,
+            "--adapter",
+            &y_arg,
+        ],
+    );
+    let (status, models) = server.get("/v1/models");
+    assert_eq!(status, 200);
+    let listed: Vec<Value> = parse(&models)["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].clone())
+        .collect();
+    assert_eq!(
+        listed,
+        [json!(MODEL), json!("smollm2:x"), json!("smollm2:y")]
+    );
+
+    let question = "What is the capital of France?";
+    let ids = [MODEL.to_owned(), format!("{MODEL}:x"), format!("{MODEL}:y")];
+    let answers: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let server = &server;
+                scope.spawn(move || {
+                    let mut body = parse(&chat(
+                        &[("user", question)],
+                        json!({"max_tokens": 8, "temperature": 0}),
+                    ));
+                    body["model"] = json!(id);
+                    let (status, text) = server.post("/v1/chat/completions", &body.to_string());
+                    assert_eq!(status, 200, "{text}");
+                    let answer = parse(&text);
+                    assert_eq!(answer["model"], json!(id), "the id asked for is echoed");
+                    answer["choices"][0]["message"]["content"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut unknown = parse(&chat(&[("user", question)], json!({})));
+    unknown["model"] = json!("smollm2:z");
+    let (status, text) = server.post("/v1/chat/completions", &unknown.to_string());
+    assert_eq!(status, 400, "{text}");
+    assert_eq!(parse(&text)["error"]["code"], "model_not_found", "{text}");
+    drop(server);
+
+    let engine = MlxEngine::new(
+        EngineConfig::new(&model)
+            .named_adapter("x", &x)
+            .named_adapter("y", &y),
+    )
+    .unwrap();
+    let alone = |adapter: Option<&str>| {
+        let mut completion =
+            mlx_engine::Completion::new(vec![Message::new("user", question)]).max_tokens(8);
+        if let Some(name) = adapter {
+            completion = completion.adapter(name);
+        }
+        engine.complete(completion).unwrap().collect().unwrap().text
+    };
+    let expected = [alone(None), alone(Some("x")), alone(Some("y"))];
+    assert_eq!(answers, expected);
+    assert!(
+        expected[0] != expected[1] && expected[1] != expected[2],
+        "the adapters change the answers: {expected:?}"
+    );
+}

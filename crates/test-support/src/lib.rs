@@ -7,6 +7,8 @@
 //!   random weights, quantized as the published "UD" MLX checkpoints are.
 //! - [`tiny_llama`]: tiny random llama, mistral, qwen2 and qwen3
 //!   checkpoints, the models most engine tests run.
+//! - [`smollm2_adapter`]: random mlx_lm adapters with SmolLM2-135M's
+//!   shapes (the fixture model's), served per row and fused in tests.
 //! - [`tensors`]: every tensor of a model folder, to compare two folders.
 //! - [`python`]: the interop Python (`MLX_LOWMEM_PYTHON`, which `cargo
 //!   xtask test` sets) if it has the modules a test needs; otherwise the
@@ -20,5 +22,6 @@
 
 pub mod gemma4_e2b;
 pub mod python;
+pub mod smollm2_adapter;
 pub mod tensors;
 pub mod tiny_llama;

@@ -280,6 +280,24 @@ impl EngineConfig {
     /// adapter and the key. Rows without an adapter give the base model's
     /// bits. Only [`complete`](crate::MlxEngine::complete) picks adapters;
     /// [`generate`](crate::MlxEngine::generate)'s rows have none.
+    ///
+    /// ```no_run
+    /// use mlx_engine::{Completion, EngineConfig, Message, MlxEngine};
+    ///
+    /// let engine = MlxEngine::new(
+    ///     EngineConfig::new("models/base")
+    ///         .named_adapter("sentiment", "adapters/sentiment")
+    ///         .named_adapter("topic", "adapters/topic"),
+    /// )?;
+    /// let ask = |adapter: &str| {
+    ///     let messages = vec![Message::new("user", "The lid leaks.")];
+    ///     engine.complete(Completion::new(messages).max_tokens(4).adapter(adapter))
+    /// };
+    /// // Both decode in one batch.
+    /// let (a, b) = (ask("sentiment")?, ask("topic")?);
+    /// println!("{} / {}", a.collect()?.text, b.collect()?.text);
+    /// # Ok::<(), mlx_engine::EngineError>(())
+    /// ```
     pub fn named_adapter(
         mut self,
         name: impl Into<String>,
