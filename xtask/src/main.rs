@@ -184,6 +184,9 @@ enum Bench {
     /// The OpenAI-compatible server against mlx_lm.server: aggregate
     /// tokens/s and time to first token at several client counts.
     Serve,
+    /// Adapters served unfused per row against fused copies held at once
+    /// and against reloading: memory and tokens/s.
+    Adapters,
 }
 
 fn main() -> std::process::ExitCode {
@@ -449,6 +452,20 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
                 "mlx-engine",
                 "--bench",
                 "arithmetic",
+                "--",
+            ],
+            if all { &[] } else { args },
+        )?;
+    }
+    if all || which == Bench::Adapters {
+        std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
+        cargo(
+            &[
+                "bench",
+                "--package",
+                "mlx-engine",
+                "--bench",
+                "adapters",
                 "--",
             ],
             if all { &[] } else { args },

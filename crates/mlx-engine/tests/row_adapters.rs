@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use adapter_codec::AdapterCodec;
 use common::adapter::write_smollm2_adapter;
 use mlx_engine::{
-    Completion, CompletionText, EngineConfig, EngineError, MemoryMode, Message, MlxEngine,
-    QuantizedWeights,
+    Completion, CompletionText, EngineConfig, EngineError, GenerateOptions, MemoryMode, Message,
+    MlxEngine, PrefixCache, QuantizedWeights,
 };
 use mlx_rs::Array;
 
@@ -276,5 +276,64 @@ fn prefixes_are_kept_per_adapter_and_unknown_or_unfitting_adapters_are_errors() 
             );
         }
         other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn generate_with_an_adapter_answers_as_the_fused_model_with_its_prefix_under_it() {
+    let test = "generate_with_an_adapter";
+    let Some(base) = fixture(test, "f32") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let x_dir = work.path().join("x");
+    write_smollm2_adapter(&x_dir, 0, SCALE);
+    let x_fused = fused(
+        &base,
+        &x_dir,
+        &work.path().join("hub"),
+        "row-adapters-generate",
+    );
+    let system = Message::new("system", "You are a terse assistant. Answer in one line.");
+    let conversations: Vec<Vec<Message>> = PROMPTS
+        .iter()
+        .map(|p| vec![system.clone(), Message::new("user", *p)])
+        .collect();
+    for what in [PrefixCache::Clean, PrefixCache::WithGeneratedToken] {
+        let config = |dir: &Path| {
+            EngineConfig::new(dir)
+                .prefix_messages(vec![system.clone()])
+                .prefix_cache(what)
+                .batch_size(2)
+        };
+        let texts = |engine: &MlxEngine, options: GenerateOptions| {
+            engine
+                .generate(conversations.clone(), options.max_tokens(8))
+                .unwrap()
+                .texts
+        };
+        let fused_texts = texts(
+            &MlxEngine::new(config(&x_fused)).unwrap(),
+            GenerateOptions::new(),
+        );
+        let base_texts = texts(
+            &MlxEngine::new(config(&base)).unwrap(),
+            GenerateOptions::new(),
+        );
+        let engine = MlxEngine::new(config(&base).named_adapter("x", &x_dir)).unwrap();
+        let options = || GenerateOptions::new().adapter("x");
+        assert_eq!(texts(&engine, options()), fused_texts, "{what:?}");
+        assert_eq!(
+            texts(&engine, GenerateOptions::new()),
+            base_texts,
+            "{what:?}"
+        );
+        // The adapter's prefix is kept: a second call answers the same.
+        assert_eq!(texts(&engine, options()), fused_texts, "{what:?}");
+        assert_ne!(fused_texts, base_texts);
+        match engine.generate(conversations.clone(), GenerateOptions::new().adapter("z")) {
+            Err(EngineError::UnknownAdapter(name)) => assert_eq!(name, "z"),
+            other => panic!("{other:?}"),
+        }
     }
 }

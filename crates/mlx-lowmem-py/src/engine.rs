@@ -80,7 +80,7 @@ impl Engine {
         model_dir, *, logits_processor_factory = None, prefix_messages = None, batch_size = 8,
         worker_name = "mlx".to_owned(), memory = None, quantized = None,
         prefix_cache = "with_generated_token".to_owned(), lanes = None, max_prompt_tokens = None,
-        prefix_cache_dir = None, prefix_cache_max_bytes = 4 << 30,
+        prefix_cache_dir = None, prefix_cache_max_bytes = 4 << 30, adapters = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -96,6 +96,7 @@ impl Engine {
         max_prompt_tokens: Option<usize>,
         prefix_cache_dir: Option<std::path::PathBuf>,
         prefix_cache_max_bytes: u64,
+        adapters: Option<std::collections::BTreeMap<String, std::path::PathBuf>>,
     ) -> PyResult<Engine> {
         let shared = Arc::new(Shared::default());
         let prefix = match prefix_messages {
@@ -122,6 +123,9 @@ impl Engine {
         if let Some(dir) = prefix_cache_dir {
             config = config.prefix_cache_dir(dir, prefix_cache_max_bytes);
         }
+        for (name, dir) in adapters.unwrap_or_default() {
+            config = config.named_adapter(name, dir);
+        }
         if let Some(factory) = logits_processor_factory {
             let shared = shared.clone();
             config = config
@@ -147,20 +151,26 @@ impl Engine {
     /// Generates up to `max_tokens` tokens for each conversation (lists
     /// of `{"role", "content"}` dicts, each starting with the prefix
     /// messages); returns the texts in the given order. `on_progress(n)`
-    /// is called on the worker thread after each batch.
-    #[pyo3(signature = (message_lists, max_tokens = 1, on_progress = None))]
+    /// is called on the worker thread after each batch. `adapter`: the
+    /// name of one of the engine's adapters, which every conversation of
+    /// the call decodes with.
+    #[pyo3(signature = (message_lists, max_tokens = 1, on_progress = None, adapter = None))]
     fn generate(
         &self,
         py: Python<'_>,
         message_lists: &Bound<'_, PyAny>,
         max_tokens: usize,
         on_progress: Option<Py<PyAny>>,
+        adapter: Option<String>,
     ) -> PyResult<Vec<String>> {
         let mut conversations = Vec::new();
         for (index, messages) in message_lists.try_iter()?.enumerate() {
             conversations.push(conversation(&messages?, index)?);
         }
         let mut options = GenerateOptions::new().max_tokens(max_tokens);
+        if let Some(name) = adapter {
+            options = options.adapter(name);
+        }
         if let Some(callback) = on_progress {
             options = options.on_progress(move |done| {
                 Python::attach(|py| {

@@ -12,7 +12,10 @@ import unittest
 from pathlib import Path
 
 import mlx_lowmem
-from _support import has, run_python, smollm2
+import json
+
+import numpy as np
+from _support import has, run_python, smollm2, write_safetensors
 
 PREFIX = [{"role": "system", "content": "Rate how positive the message is, from 1 to 5. Answer with one digit."}]
 TEXTS = ["great work, thanks!", "this is broken again", "ok", "the build fails", "perfect", "meh"]
@@ -155,6 +158,54 @@ class PrefixCacheDir(unittest.IsolatedAsyncioTestCase):
             other = Path(work) / "from-env"
             run_python(code, {"MLX_LOWMEM_PREFIX_CACHE_DIR": str(other)})
             self.assertEqual(len(list(other.iterdir())), 1)
+
+
+def write_adapter(folder: Path, seed: int) -> None:
+    """A random mlx_lm adapter on SmolLM2's q and v projections of every
+    other layer, strong enough to change greedy answers."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(0, 30, 2):
+        for module, out in (("q_proj", 576), ("v_proj", 192)):
+            key = f"model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_a"] = rng.normal(0, 0.03, (576, 4)).astype(np.float32)
+            tensors[f"{key}.lora_b"] = rng.normal(0, 0.03, (4, out)).astype(np.float32)
+    folder.mkdir(parents=True)
+    write_safetensors(folder / "adapters.safetensors", tensors)
+    config = {"fine_tune_type": "lora", "lora_parameters": {"rank": 4, "scale": 64.0, "dropout": 0.0}}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+class Adapters(unittest.IsolatedAsyncioTestCase):
+    async def test_a_call_picks_an_adapter_and_the_base_answers_as_without_adapters(self) -> None:
+        # Several classifiers on one copy of the base: a call names its
+        # adapter; calls without one answer as an engine without adapters.
+        with tempfile.TemporaryDirectory() as work:
+            x = Path(work) / "x"
+            write_adapter(x, 1)
+
+            def make(**options) -> mlx_lowmem.MlxEngine:
+                return mlx_lowmem.MlxEngine(smollm2("q4"), logits_processor_factory=None, prefix_messages=PREFIX,
+                                            batch_size=2, quantized="dequantize_on_use", **options)
+
+            async def answers(e: mlx_lowmem.MlxEngine, **options) -> list[str]:
+                return await e.generate(conversations(), lambda n: None, max_tokens=6, **options)
+
+            plain = make()
+            await plain.ensure_loaded()
+            base = await answers(plain)
+            await plain.close()
+
+            e = make(adapters={"x": x})
+            await e.ensure_loaded()
+            self.assertEqual(await answers(e), base)
+            adapted = await answers(e, adapter="x")
+            self.assertNotEqual(adapted, base)
+            self.assertEqual(await answers(e, adapter="x"), adapted, "its prefix kept, the same answers")
+            with self.assertRaises(mlx_lowmem.ConfigError) as raised:
+                await answers(e, adapter="z")
+            self.assertIn("z", str(raised.exception))
+            await e.close()
 
 
 class SpawnllmMlxBackend(unittest.IsolatedAsyncioTestCase):

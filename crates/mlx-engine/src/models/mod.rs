@@ -102,11 +102,21 @@ impl Model {
         match &self.row_adapters {
             Some(adapters) => adapters.with_rows(rows, build),
             None if rows.iter().all(Option::is_none) => build(),
-            None => Err(crate::Error::Adapter {
-                name: "(any)".to_owned(),
-                dir: std::path::PathBuf::new(),
-                message: "this model was loaded without adapters".to_owned(),
-            }),
+            None => Err(no_adapters()),
+        }
+    }
+
+    /// Builds the forwards of `build` with every row under adapter `slot`
+    /// (none: the base model).
+    pub(crate) fn with_adapter<T>(
+        &self,
+        slot: Option<usize>,
+        build: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        match (slot, &self.row_adapters) {
+            (None, _) => build(),
+            (Some(slot), Some(adapters)) => adapters.with_slot(slot, build),
+            (Some(_), None) => Err(no_adapters()),
         }
     }
 
@@ -222,5 +232,13 @@ impl Model {
         self.stage.logits(x, self.config.vocab_size, || {
             self.decoder.head(&self.config, x)
         })
+    }
+}
+
+fn no_adapters() -> crate::Error {
+    crate::Error::Adapter {
+        name: "(any)".to_owned(),
+        dir: std::path::PathBuf::new(),
+        message: "this model was loaded without adapters".to_owned(),
     }
 }

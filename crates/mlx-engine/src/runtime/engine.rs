@@ -551,6 +551,7 @@ fn load(
         prefix_cache: config.prefix_cache,
         placement: config.placement.clone(),
         prefix_disk: prefix_disk.clone(),
+        row_digests: row_digests.clone(),
     };
     let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
     let _ = grammars.set(Grammars::new(

@@ -1,5 +1,6 @@
 //! Batched greedy generation on the worker, on copies of the prefix cache.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use mlx_rs::ops::concatenate;
@@ -12,6 +13,7 @@ use crate::error::EngineError;
 use crate::evaluation::{evaluate, host_slice, Why};
 use crate::models::{Model, Schedule};
 use crate::nn::cache::KvCache;
+use crate::runtime::adapters;
 use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
 use crate::runtime::options::{GenerateOptions, LogitsProcessor, PrefixCache};
 use crate::runtime::prefill::{padded_block, prefill, prefill_groups, prefill_into, PREFILL_CHUNK};
@@ -36,6 +38,12 @@ pub(crate) struct GenState {
     /// The ranks this engine generates with, if any, and whether each
     /// answers its own share of the conversations.
     group: Option<(Group, bool)>,
+    /// The prefix's caches under each per-row adapter asked for so far.
+    adapter_prefixes: HashMap<usize, Arc<KvCache>>,
+    /// Where prefixes are kept across restarts, and what they are bound
+    /// to; the per-row adapters' digests.
+    prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
+    row_digests: Vec<String>,
 }
 
 /// The generation settings of an [`EngineConfig`](crate::EngineConfig).
@@ -52,6 +60,8 @@ pub(crate) struct GenSettings {
     /// Where the prefix's computed cache is kept across restarts, and what
     /// it is bound to there.
     pub prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
+    /// The per-row adapters' digests, by slot (with a prefix folder).
+    pub row_digests: Vec<String>,
 }
 
 impl GenState {
@@ -85,6 +95,7 @@ impl GenState {
             prefix_cache: what_to_cache,
             placement,
             prefix_disk,
+            row_digests,
         } = settings;
         let group = placement.group().map(|g| {
             let data = matches!(placement, Placement::DataParallel { .. });
@@ -101,24 +112,14 @@ impl GenState {
                 limit: max_prompt_tokens,
             });
         }
-        let mut prefix_cache = KvCache::new();
-        if !prefix_tokens.is_empty() {
-            let (prefix, _) = load_or_compute(model, &prefix_tokens, None, prefix_disk.as_ref())?;
-            prefix_cache = prefix.cache;
-            if what_to_cache == PrefixCache::WithGeneratedToken {
-                let logits = model.head(&prefix.last_hidden)?;
-                let next = pick_tokens(processor.as_deref_mut(), &logits)?;
-                tracing::debug!(
-                    token = next[0],
-                    "the prefix's cache holds its generated token"
-                );
-                prefill_into(model, &mut prefix_cache, &[&[next[0] as u32]])?;
-                // Held as every fork reads it, and computed before lanes
-                // read it (see `lanes`).
-                prefix_cache = prefix_cache.fork(1)?;
-                prefix_cache.evaluate()?;
-            }
-        }
+        let prefix_cache = prefix_cache_under(
+            model,
+            &prefix_tokens,
+            None,
+            prefix_disk.as_ref(),
+            what_to_cache,
+            processor.as_deref_mut(),
+        )?;
         let schedule = model.schedule();
         #[expect(
             clippy::arc_with_non_send_sync,
@@ -138,8 +139,78 @@ impl GenState {
             max_prompt_tokens,
             special_tokens,
             group,
+            adapter_prefixes: HashMap::new(),
+            prefix_disk,
+            row_digests,
         })
     }
+
+    /// The prefix's cache under the per-row adapter `slot` (none: the
+    /// one computed at load), computed on first use.
+    fn prefix_under(&mut self, model: &Model, slot: Option<usize>) -> crate::Result<Arc<KvCache>> {
+        let Some(slot) = slot.filter(|_| !self.prefix_tokens.is_empty()) else {
+            return Ok(Arc::clone(&self.prefix_cache));
+        };
+        if let Some(cache) = self.adapter_prefixes.get(&slot) {
+            return Ok(Arc::clone(cache));
+        }
+        let disk =
+            adapters::prefix_disk_under(self.prefix_disk.as_ref(), &self.row_digests, Some(slot));
+        let what = match self.prefix_is_clean {
+            true => PrefixCache::Clean,
+            false => PrefixCache::WithGeneratedToken,
+        };
+        let cache = prefix_cache_under(
+            model,
+            &self.prefix_tokens,
+            Some(slot),
+            disk.as_ref(),
+            what,
+            self.processor.as_deref_mut(),
+        )?;
+        #[expect(
+            clippy::arc_with_non_send_sync,
+            reason = "the Arc crosses to the lanes only inside a ForLanes, which says why that is sound"
+        )]
+        let cache = Arc::new(cache);
+        self.adapter_prefixes.insert(slot, Arc::clone(&cache));
+        Ok(cache)
+    }
+}
+
+/// The cache of the prefix `tokens` under adapter `slot` (empty without
+/// tokens): read from the prefix folder or computed, then, for
+/// [`PrefixCache::WithGeneratedToken`], with the token `processor` (or
+/// the argmax) picks after it.
+fn prefix_cache_under(
+    model: &Model,
+    tokens: &[u32],
+    slot: Option<usize>,
+    disk: Option<&(PrefixDisk, PrefixBinding)>,
+    what: PrefixCache,
+    processor: Option<&mut (dyn LogitsProcessor + 'static)>,
+) -> crate::Result<KvCache> {
+    if tokens.is_empty() {
+        return Ok(KvCache::new());
+    }
+    let (prefix, _) = load_or_compute(model, tokens, slot, disk)?;
+    let mut cache = prefix.cache;
+    if what == PrefixCache::WithGeneratedToken {
+        let logits = model.with_adapter(slot, || model.head(&prefix.last_hidden))?;
+        let next = pick_tokens(processor, &logits)?;
+        tracing::debug!(
+            token = next[0],
+            "the prefix's cache holds its generated token"
+        );
+        model.with_adapter(slot, || {
+            prefill_into(model, &mut cache, &[&[next[0] as u32]])
+        })?;
+        // Held as every fork reads it, and computed before lanes read it
+        // (see `lanes`).
+        cache = cache.fork(1)?;
+        cache.evaluate()?;
+    }
+    Ok(cache)
 }
 
 fn gen_err(e: impl Into<crate::Error>) -> EngineError {
@@ -219,6 +290,8 @@ pub(crate) fn generate_batch(
     if let Some((group, _)) = &state.group {
         distributed::data::same_request(group, conversations, max_tokens).map_err(gen_err)?;
     }
+    let slot = adapters::slot_of(model, options.adapter.as_deref())?;
+    let prefix_cache = state.prefix_under(model, slot).map_err(gen_err)?;
     let p = state.prefix_messages.len();
     let mut suffixes = Vec::with_capacity(conversations.len());
     let vocab = model.config().vocab_size;
@@ -278,7 +351,9 @@ pub(crate) fn generate_batch(
             let work: ChunkWork = Box::new(move |view: View<'_>, pick: lanes::Pick<'_>| {
                 let _span = tracing::info_span!("chunk", rows = rows.len()).entered();
                 let rows: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
-                generate_chunk(view, pick, &rows, max_tokens)
+                // On the thread that runs the chunk, lane or worker.
+                let model = view.model;
+                model.with_adapter(slot, || generate_chunk(view, pick, &rows, max_tokens))
             });
             work
         })
@@ -300,16 +375,12 @@ pub(crate) fn generate_batch(
     };
     let here = View {
         model,
-        prefix_cache: &state.prefix_cache,
+        prefix_cache: &prefix_cache,
         eos: &state.eos,
     };
-    state.executor.run(
-        here,
-        (model, &state.prefix_cache),
-        works,
-        lane_pick,
-        &mut done,
-    );
+    state
+        .executor
+        .run(here, (model, &prefix_cache), works, lane_pick, &mut done);
     let (mut texts, mut stats) = (done.texts, done.stats);
     if let Some(group) = data_parallel {
         let counts = (stats.prompt_tokens, stats.generated_tokens);

@@ -278,8 +278,9 @@ impl EngineConfig {
     /// is small beside its base); a pair whose module is no linear layer of
     /// the model, or whose shapes do not fit it, fails the load naming the
     /// adapter and the key. Rows without an adapter give the base model's
-    /// bits. Only [`complete`](crate::MlxEngine::complete) picks adapters;
-    /// [`generate`](crate::MlxEngine::generate)'s rows have none.
+    /// bits. [`complete`](crate::MlxEngine::complete) picks one per
+    /// request, [`generate`](crate::MlxEngine::generate) one per call
+    /// ([`GenerateOptions::adapter`]).
     ///
     /// ```no_run
     /// use mlx_engine::{Completion, EngineConfig, Message, MlxEngine};
@@ -394,6 +395,7 @@ impl std::fmt::Debug for EngineConfig {
 pub struct GenerateOptions {
     pub(crate) max_tokens: usize,
     pub(crate) on_progress: Box<dyn FnMut(usize) + Send>,
+    pub(crate) adapter: Option<String>,
 }
 
 impl GenerateOptions {
@@ -402,6 +404,7 @@ impl GenerateOptions {
         GenerateOptions {
             max_tokens: 1,
             on_progress: Box::new(|_| {}),
+            adapter: None,
         }
     }
 
@@ -409,6 +412,16 @@ impl GenerateOptions {
     /// conversation stops early at an end-of-sequence token).
     pub fn max_tokens(mut self, max_tokens: usize) -> GenerateOptions {
         self.max_tokens = max_tokens;
+        self
+    }
+
+    /// Every conversation of the call decodes with the adapter served as
+    /// `name` ([`EngineConfig::named_adapter`]); the prefix messages' cache
+    /// under it is computed on its first use (or read from the prefix
+    /// folder) and kept. An unknown name is
+    /// [`EngineError::UnknownAdapter`](crate::EngineError::UnknownAdapter).
+    pub fn adapter(mut self, name: impl Into<String>) -> GenerateOptions {
+        self.adapter = Some(name.into());
         self
     }
 

@@ -6,21 +6,23 @@
 //! one batch over one copy of the model.
 //!
 //! Which adapter each row of a forward uses is not an argument of every
-//! layer's product: the runtime sets a [`RowPlan`] on the model's
-//! [`RowAdapters`] around a forward (`Model::with_adapters`), and every
-//! adapted layer reads it. A forward runs on the worker thread that owns
-//! the model, one at a time, so the plan of the forward being built is the
-//! one set.
+//! layer's product: the runtime sets a [`RowPlan`] around the building of
+//! a forward's graph (`Model::with_adapters`, `Model::with_adapter`), and
+//! every adapted layer reads it. The plan is the building thread's own: a
+//! forward's graph is built on one thread, and lanes build theirs side by
+//! side, each under its own plan.
 //!
 //! Per layer, the rows of each adapter are gathered (one `take` each), their
 //! low-rank products run on those rows alone, and the deltas are put back
 //! in row order; rows of no adapter keep the base product's bits (a
 //! `where`, not an added zero).
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::rc::Rc;
+use std::sync::{Mutex, PoisonError};
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexOp};
 use mlx_rs::ops::{concatenate, select, zeros_dtype};
@@ -43,7 +45,6 @@ struct NamedAdapter {
 /// forward being built uses.
 pub(crate) struct RowAdapters {
     adapters: Vec<NamedAdapter>,
-    plan: Mutex<Option<Arc<RowPlan>>>,
     /// The adapted modules a linear layer was built for: what the load
     /// checks every pair against.
     used: Mutex<BTreeSet<String>>,
@@ -95,7 +96,6 @@ impl RowAdapters {
         Ok(RowAdapters {
             used: Mutex::new(BTreeSet::new()),
             adapters,
-            plan: Mutex::new(None),
         })
     }
 
@@ -107,12 +107,7 @@ impl RowAdapters {
     /// `base` with the adapters' pairs for `module` applied per row, or
     /// `base` itself when no adapter adapts it. A pair whose shapes do not
     /// fit the layer is [`Error::Adapter`] naming the key.
-    pub(crate) fn wrap(
-        self: &Arc<Self>,
-        module: &str,
-        inputs: usize,
-        base: Linear,
-    ) -> Result<Linear> {
+    pub(crate) fn wrap(&self, module: &str, inputs: usize, base: Linear) -> Result<Linear> {
         let outputs = base.outputs();
         let mut pairs = Vec::with_capacity(self.adapters.len());
         let mut any = false;
@@ -148,11 +143,7 @@ impl RowAdapters {
         if !any {
             return Ok(base);
         }
-        Ok(Box::new(RowLora {
-            base,
-            pairs,
-            adapters: Arc::clone(self),
-        }))
+        Ok(Box::new(RowLora { base, pairs }))
     }
 
     /// After a load that built every layer: each pair's module must have
@@ -185,18 +176,49 @@ impl RowAdapters {
         rows: &[Option<usize>],
         build: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        let plan = RowPlan::new(rows, self.adapters.len())?.map(Arc::new);
-        *self.plan.lock().unwrap_or_else(PoisonError::into_inner) = plan;
-        let out = build();
-        *self.plan.lock().unwrap_or_else(PoisonError::into_inner) = None;
-        out
+        let plan = RowPlan::per_row(rows, self.adapters.len())?;
+        with_plan(plan, build)
     }
 
-    fn plan(&self) -> Option<Arc<RowPlan>> {
-        self.plan
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+    /// Runs `build` with every row of its forwards, whatever their number,
+    /// under the adapter in `slot`.
+    pub(crate) fn with_slot<T>(&self, slot: usize, build: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.check_slot(slot)?;
+        with_plan(Some(RowPlan::Uniform(slot)), build)
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        match slot < self.adapters.len() {
+            true => Ok(()),
+            false => Err(no_slot(slot, self.adapters.len())),
+        }
+    }
+}
+
+thread_local! {
+    /// The plan of the forward this thread is building (see the module's
+    /// docs).
+    static PLAN: RefCell<Option<Rc<RowPlan>>> = const { RefCell::new(None) };
+}
+
+/// Runs `build` under `plan`, then puts back the plan that was set.
+fn with_plan<T>(plan: Option<RowPlan>, build: impl FnOnce() -> Result<T>) -> Result<T> {
+    let before = PLAN.with(|p| p.replace(plan.map(Rc::new)));
+    let out = build();
+    PLAN.with(|p| p.replace(before));
+    out
+}
+
+fn current_plan() -> Option<Rc<RowPlan>> {
+    PLAN.with(|p| p.borrow().clone())
+}
+
+/// A slot past the `slots` adapters served (a fault of the runtime's).
+fn no_slot(slot: usize, slots: usize) -> Error {
+    Error::Adapter {
+        name: format!("slot {slot}"),
+        dir: PathBuf::new(),
+        message: format!("the engine serves {slots} adapters"),
     }
 }
 
@@ -208,10 +230,19 @@ fn adapter_error(name: &str, dir: &Path, message: &str) -> Error {
     }
 }
 
+/// Which adapter the rows of a forward use.
+#[derive(Debug)]
+pub(crate) enum RowPlan {
+    /// Every row, whatever their number, the adapter in this slot.
+    Uniform(usize),
+    /// Each row its own (see [`Rows`]).
+    PerRow(Rows),
+}
+
 /// The rows of one forward by adapter, as the layers gather and put back
 /// their deltas.
 #[derive(Debug)]
-pub(crate) struct RowPlan {
+pub(crate) struct Rows {
     rows: usize,
     /// Per adapter in use: its slot and its rows, ascending.
     groups: Vec<(usize, Array, i32)>,
@@ -226,16 +257,12 @@ pub(crate) struct RowPlan {
 impl RowPlan {
     /// `None` when no row has an adapter: the layers then run the base
     /// product alone.
-    fn new(rows: &[Option<usize>], slots: usize) -> Result<Option<RowPlan>> {
+    fn per_row(rows: &[Option<usize>], slots: usize) -> Result<Option<RowPlan>> {
         if rows.iter().all(Option::is_none) {
             return Ok(None);
         }
         if let Some(&Some(slot)) = rows.iter().find(|r| r.is_some_and(|s| s >= slots)) {
-            return Err(Error::Adapter {
-                name: format!("slot {slot}"),
-                dir: PathBuf::new(),
-                message: format!("the engine serves {slots} adapters"),
-            });
+            return Err(no_slot(slot, slots));
         }
         let mut order: Vec<usize> = Vec::with_capacity(rows.len());
         let mut groups = Vec::new();
@@ -258,13 +285,13 @@ impl RowPlan {
             back[row] = place as i32;
         }
         let adapted: Vec<bool> = rows.iter().map(Option::is_some).collect();
-        Ok(Some(RowPlan {
+        Ok(Some(RowPlan::PerRow(Rows {
             rows: rows.len(),
             groups,
             plain: plain.len() as i32,
             back: Array::from_slice(&back, &[rows.len() as i32]),
             adapted: Array::from_slice(&adapted, &[rows.len() as i32]),
-        }))
+        })))
     }
 }
 
@@ -290,7 +317,6 @@ struct RowLora {
     base: Linear,
     /// Per adapter slot: its pair for this layer, if it adapts it.
     pairs: Vec<Option<Pair>>,
-    adapters: Arc<RowAdapters>,
 }
 
 impl RowLora {
@@ -302,8 +328,19 @@ impl RowLora {
         y: Array,
         part: impl Fn(&Pair) -> Result<(Array, Array)>,
     ) -> Result<Array> {
-        let Some(plan) = self.adapters.plan() else {
-            return Ok(y);
+        let current = current_plan();
+        let plan = match current.as_deref() {
+            None => return Ok(y),
+            Some(RowPlan::Uniform(slot)) => {
+                return match &self.pairs[*slot] {
+                    Some(pair) => {
+                        let (a, b) = part(pair)?;
+                        Ok(y.add(&pair.delta(x, &a, &b)?)?)
+                    }
+                    None => Ok(y),
+                }
+            }
+            Some(RowPlan::PerRow(rows)) => rows,
         };
         if x.dim(0) as usize != plan.rows {
             return Err(Error::Adapter {

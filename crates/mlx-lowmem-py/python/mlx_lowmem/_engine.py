@@ -57,6 +57,11 @@ class MlxEngine:
       ``MLX_LOWMEM_PREFIX_CACHE_DIR`` decides, else none.
       ``prefix_cache_max_bytes`` bounds the folder (least recently used
       out first).
+    - ``adapters``: ``{name: folder}`` of mlx_lm adapter folders kept
+      unfused beside the model; ``generate(..., adapter=name)`` decodes a
+      call's conversations with one of them (the prefix's cache under it
+      computed on its first use), so that several classifiers share one
+      copy of the base weights instead of one fused copy each.
 
     Example::
 
@@ -86,6 +91,7 @@ class MlxEngine:
         max_prompt_tokens: int | None = None,
         prefix_cache_dir: str | Path | None = None,
         prefix_cache_max_bytes: int = 4 << 30,
+        adapters: dict[str, str | Path] | None = None,
     ) -> None:
         self._fused_dir = Path(fused_dir)
         self._prefix_messages = prefix_messages
@@ -106,6 +112,7 @@ class MlxEngine:
             max_prompt_tokens=max_prompt_tokens,
             prefix_cache_dir=None if prefix_cache_dir is None else str(prefix_cache_dir),
             prefix_cache_max_bytes=prefix_cache_max_bytes,
+            adapters=None if adapters is None else {k: str(v) for k, v in adapters.items()},
         )
         self._loaded = False
         self._tokenizer: Any = None
@@ -137,17 +144,21 @@ class MlxEngine:
         on_progress: Callable[[int], None],
         *,
         max_tokens: int = 1,
+        adapter: str | None = None,
     ) -> list[str]:
         """One completion per conversation (greedy, `max_tokens` at most,
         default one token), in the order given. Each conversation starts
         with the engine's prefix messages. `on_progress(n)` is called on the
-        event loop's thread after each batch with the number it answered."""
+        event loop's thread after each batch with the number it answered.
+        `adapter`: one of the names given in ``adapters``, which every
+        conversation of the call decodes with (an unknown name raises
+        `ConfigError`)."""
         loop = asyncio.get_running_loop()
 
         def progress(done: int) -> None:
             loop.call_soon_threadsafe(on_progress, done)
 
-        return await _in_thread(self._native.generate, message_lists, max_tokens, progress)
+        return await _in_thread(self._native.generate, message_lists, max_tokens, progress, adapter)
 
     def peak_memory_gb(self) -> float:
         """The process's peak resident set size in GiB, from the OS (the

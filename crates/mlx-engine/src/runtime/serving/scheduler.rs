@@ -12,6 +12,7 @@ use crate::error::EngineError;
 use crate::evaluation::{host_slice, Why};
 use crate::models::Model;
 use crate::nn::cache::KvCache;
+use crate::runtime::adapters;
 use crate::runtime::prefill::{prefill_groups, prefill_into};
 use crate::runtime::prefix_disk::{load_or_compute, Origin, PrefixBinding, PrefixDisk};
 use crate::runtime::serving::grammar::RowGrammar;
@@ -192,7 +193,7 @@ impl Scheduler {
                     .send(StreamEvent::Failed(EngineError::DeadlineExceeded));
                 continue;
             }
-            let adapter = match adapter_slot(model, pending.completion.adapter.as_deref()) {
+            let adapter = match adapters::slot_of(model, pending.completion.adapter.as_deref()) {
                 Ok(slot) => slot,
                 Err(e) => {
                     let _ = pending.events.send(StreamEvent::Failed(e));
@@ -291,7 +292,11 @@ impl Scheduler {
             }
             (_, Some(tokens)) => {
                 self.counters.prefix_misses.fetch_add(1, Ordering::Relaxed);
-                let disk = self.prefix_disk(adapter);
+                let disk = adapters::prefix_disk_under(
+                    self.settings.prefix_disk.as_ref(),
+                    &self.settings.row_digests,
+                    adapter,
+                );
                 let (prefix, origin) =
                     load_or_compute(model, &tokens, adapter, disk.as_ref()).map_err(gen_err)?;
                 if origin == Origin::Folder {
@@ -318,17 +323,6 @@ impl Scheduler {
             .fetch_add(prefix.len as u64, Ordering::Relaxed);
         let suffix = prompt[prefix.len..].to_vec();
         Ok((prefix, suffix, prompt.len()))
-    }
-
-    /// The prefix folder and its binding for a prefix computed under
-    /// `adapter`.
-    fn prefix_disk(&self, adapter: Option<usize>) -> Option<(PrefixDisk, PrefixBinding)> {
-        let (disk, binding) = self.settings.prefix_disk.as_ref()?;
-        let binding = match adapter {
-            Some(slot) => binding.under_row_adapter(self.settings.row_digests.get(slot)?),
-            None => binding.clone(),
-        };
-        Some((disk.clone(), binding))
     }
 
     /// Prefills `group` (one prefix, similar lengths) as one block, picks
@@ -379,18 +373,6 @@ impl Scheduler {
         }
         Ok(())
     }
-}
-
-/// The slot of the per-row adapter `name`, if a request names one.
-fn adapter_slot(model: &Model, name: Option<&str>) -> Result<Option<usize>, EngineError> {
-    let Some(name) = name else {
-        return Ok(None);
-    };
-    model
-        .row_adapters()
-        .and_then(|a| a.slot(name))
-        .map(Some)
-        .ok_or_else(|| EngineError::UnknownAdapter(name.to_owned()))
 }
 
 /// The leading system (or developer) messages: what requests of one
