@@ -11,6 +11,12 @@
 //! batch's, from the first request sent to the last token. Rows are spread
 //! over 1, 2 or 8 adapters (row `i` takes adapter `i mod n`).
 //!
+//! The speed rows run each configuration in several processes, in turn,
+//! and give the median; a batch over several adapters runs both ways a
+//! forward can take their deltas (`MLX_LOWMEM_ROW_LORA`: each row's pair
+//! gathered and one batched product, or each adapter's rows gathered and
+//! one product per adapter).
+//!
 //! Arguments: `--adapters 1,4,16` (the K of the memory rows),
 //! `--spreads 1,2,8`, `--tokens 32`.
 
@@ -70,12 +76,12 @@ fn main() {
         base.display(),
         mlx_support::mlx_version()
     );
-    let one_fused = run(&["fused", "1", &tokens.to_string()], &dirs(&fused, 1));
+    let one_fused = run(&["fused", "1", &tokens.to_string()], &dirs(&fused, 1), None);
     println!("\nmemory (peak RSS; MLX's own peak beside it), rows spread over min(K, 8) adapters:");
     print_row("one fused model", &one_fused, None);
     print_row(
         "base, no adapter",
-        &run(&["unfused", &base_s, "0", &tokens.to_string()], &[]),
+        &run(&["unfused", &base_s, "0", &tokens.to_string()], &[], None),
         Some(&one_fused),
     );
     for &k in &ks {
@@ -83,35 +89,76 @@ fn main() {
         let m = run(
             &["unfused", &base_s, &spread, &tokens.to_string()],
             &dirs(&adapters, k),
+            None,
         );
         print_row(&format!("{k} unfused adapters"), &m, Some(&one_fused));
         if k > 1 {
             let m = run(
                 &["fused", &k.to_string(), &tokens.to_string()],
                 &dirs(&fused, k),
+                None,
             );
             print_row(&format!("{k} fused copies held"), &m, Some(&one_fused));
         }
     }
-    println!("\nspeed, a batch of {ROWS} rows spread over n adapters:");
+    println!(
+        "\nspeed, a batch of {ROWS} rows spread over n adapters (each the median of {REPEATS} processes, run in turn):"
+    );
+    let tokens_s = tokens.to_string();
     for &n in &spreads {
-        let m = run(
-            &["unfused", &base_s, &n.to_string(), &tokens.to_string()],
-            &dirs(&adapters, n),
-        );
-        print_row(&format!("unfused, n = {n}"), &m, Some(&one_fused));
+        let unfused = ["unfused", base_s.as_str(), &n.to_string(), &tokens_s];
+        let mut sides: Vec<(String, Vec<Measured>)> = Vec::new();
+        let strategies: &[&str] = if n > 1 {
+            &["gather", "segments"]
+        } else {
+            &["gather"]
+        };
+        for _ in 0..REPEATS {
+            let mut i = 0;
+            let mut record = |label: String, m: Measured| {
+                match sides.get_mut(i) {
+                    Some((_, runs)) => runs.push(m),
+                    None => sides.push((label, vec![m])),
+                }
+                i += 1;
+            };
+            record(
+                "one fused model".into(),
+                run(&["fused", "1", &tokens_s], &dirs(&fused, 1), None),
+            );
+            for strategy in strategies {
+                let m = run(&unfused, &dirs(&adapters, n), Some(strategy));
+                record(format!("unfused, {strategy}"), m);
+            }
+        }
+        let medians: Vec<(String, Measured)> = sides
+            .into_iter()
+            .map(|(label, runs)| (label, median(runs)))
+            .collect();
+        println!("  n = {n}:");
+        for (label, m) in &medians {
+            print_row(label, m, Some(&medians[0].1));
+        }
         if n > 1 {
             let m = run(
-                &["reload", &n.to_string(), &tokens.to_string()],
+                &["reload", &n.to_string(), &tokens_s],
                 &dirs(&fused, n),
+                None,
             );
-            print_row(
-                &format!("reloading fused copies, n = {n}"),
-                &m,
-                Some(&one_fused),
-            );
+            print_row("reloading fused copies (once)", &m, Some(&medians[0].1));
         }
     }
+}
+
+/// Processes per configuration in the speed rows: one run of a few
+/// seconds on this 2-core machine varies by ±15% from one process to the
+/// next.
+const REPEATS: usize = 3;
+
+/// The run of median speed.
+fn median(mut runs: Vec<Measured>) -> Measured {
+    runs.sort_by(|a, b| (a.tokens / a.seconds).total_cmp(&(b.tokens / b.seconds)));
+    runs.swap_remove(runs.len() / 2)
 }
 
 /// `n` adapters under `work` (made once) and the model fused with each.
@@ -152,8 +199,14 @@ struct Measured {
     mlx_peak_mb: f64,
 }
 
-fn run(args: &[&str], dirs: &[String]) -> Measured {
-    let out = Command::new(std::env::current_exe().unwrap())
+/// One child: `args`, the folders `dirs`, and with `strategy` the row
+/// strategy of a forward whose rows use several adapters.
+fn run(args: &[&str], dirs: &[String], strategy: Option<&str>) -> Measured {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    if let Some(strategy) = strategy {
+        command.env("MLX_LOWMEM_ROW_LORA", strategy);
+    }
+    let out = command
         .arg("--child")
         .args(args)
         .args(dirs)

@@ -1,6 +1,7 @@
 //! Adapters served unfused, chosen per request
 //! (`EngineConfig::named_adapter`, `Completion::adapter`): rows of two
-//! adapters and of none decode in one batch over one copy of SmolLM2, a
+//! adapters (of different ranks and modules) and of none decode in one
+//! batch over one copy of SmolLM2, a
 //! row with adapter X answers, greedy, as the model fused with X by
 //! adapter-fuse does (logits within the rounding that tells a fused weight
 //! from an unfused product), a row with none as the base model bit for
@@ -86,7 +87,9 @@ fn rows_of_two_adapters_and_of_none_in_one_batch_answer_as_the_fused_models() {
     let work = tempfile::tempdir().unwrap();
     let (x_dir, y_dir) = (work.path().join("x"), work.path().join("y"));
     write_smollm2_adapter(&x_dir, 0, SCALE);
-    write_smollm2_adapter(&y_dir, 500, SCALE);
+    // Another rank (8) and other modules (all seven of the last 16
+    // layers): the pairs are stacked, ranks padded, absent modules zero.
+    test_support::smollm2_adapter::write_smollm2_default_adapter(&y_dir, 500);
     let hub = work.path().join("hub");
     let x_fused = fused(&base, &x_dir, &hub, "row-adapters-x");
     let y_fused = fused(&base, &y_dir, &hub, "row-adapters-y");
@@ -238,44 +241,57 @@ fn prefixes_are_kept_per_adapter_and_unknown_or_unfitting_adapters_are_errors() 
         other => panic!("{other:?}"),
     }
 
-    // A pair for a module the model lacks: the load names the adapter and
-    // the key.
-    let bad = work.path().join("bad");
-    std::fs::create_dir_all(&bad).unwrap();
-    std::fs::copy(
-        x_dir.join("adapter_config.json"),
-        bad.join("adapter_config.json"),
-    )
-    .unwrap();
-    let mut tensors: Vec<(String, Array)> =
+    // A pair for a module the model lacks, or one that does not fit its
+    // layer: the load names the adapter and the key.
+    let x_tensors: Vec<(String, Array)> =
         Array::load_safetensors(x_dir.join("adapters.safetensors"))
             .unwrap()
             .into_iter()
             .collect();
-    tensors.push((
-        "model.layers.3.self_attn.q_norm.lora_a".into(),
-        common::normal(&[576, 4], 1, 0.1),
-    ));
-    tensors.push((
-        "model.layers.3.self_attn.q_norm.lora_b".into(),
-        common::normal(&[4, 576], 2, 0.1),
-    ));
-    Array::save_safetensors(
-        tensors.iter().map(|(k, v)| (k.as_str(), v)),
-        None,
-        bad.join("adapters.safetensors"),
-    )
-    .unwrap();
-    let engine = MlxEngine::new(EngineConfig::new(&base).named_adapter("bad", &bad)).unwrap();
-    match engine.ensure_loaded() {
-        Err(EngineError::Load(e)) => {
-            let message = e.to_string();
-            assert!(
-                message.contains("\"bad\"") && message.contains("model.layers.3.self_attn.q_norm"),
-                "{message}"
-            );
+    let cases = [
+        (
+            "model.layers.3.self_attn.q_norm",
+            576,
+            "adapts no linear layer",
+        ),
+        ("model.layers.3.mlp.up_proj", 100, "the layer 576 to 1536"),
+    ];
+    for (i, (module, outputs, says)) in cases.into_iter().enumerate() {
+        let bad = work.path().join(format!("bad-{i}"));
+        std::fs::create_dir_all(&bad).unwrap();
+        std::fs::copy(
+            x_dir.join("adapter_config.json"),
+            bad.join("adapter_config.json"),
+        )
+        .unwrap();
+        let mut tensors = x_tensors.clone();
+        tensors.push((
+            format!("{module}.lora_a"),
+            common::normal(&[576, 4], 1, 0.1),
+        ));
+        tensors.push((
+            format!("{module}.lora_b"),
+            common::normal(&[4, outputs], 2, 0.1),
+        ));
+        Array::save_safetensors(
+            tensors.iter().map(|(k, v)| (k.as_str(), v)),
+            None,
+            bad.join("adapters.safetensors"),
+        )
+        .unwrap();
+        let engine = MlxEngine::new(EngineConfig::new(&base).named_adapter("bad", &bad)).unwrap();
+        match engine.ensure_loaded() {
+            Err(EngineError::Load(e)) => {
+                let message = e.to_string();
+                assert!(
+                    message.contains("\"bad\"")
+                        && message.contains(module)
+                        && message.contains(says),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
         }
-        other => panic!("{other:?}"),
     }
 }
 

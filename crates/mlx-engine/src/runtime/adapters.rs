@@ -12,7 +12,6 @@ use crate::distributed::identity;
 use crate::error::{EngineError, Error};
 use crate::models::checkpoint::Checkpoint;
 use crate::models::Model;
-use crate::runtime::prefix_disk::{PrefixBinding, PrefixDisk};
 use crate::weights::row_lora::RowAdapters;
 
 /// The streamed layers' sources: `lora` as given, then each mlx_lm folder
@@ -82,19 +81,4 @@ pub(crate) fn slot_of(model: &Model, name: Option<&str>) -> Result<Option<usize>
         .and_then(|a| a.slot(name))
         .map(Some)
         .ok_or_else(|| EngineError::UnknownAdapter(name.to_owned()))
-}
-
-/// The prefix folder and its binding for a prefix computed under
-/// `adapter`, whose files' digests by slot are `digests`.
-pub(crate) fn prefix_disk_under(
-    disk: Option<&(PrefixDisk, PrefixBinding)>,
-    digests: &[String],
-    adapter: Option<usize>,
-) -> Option<(PrefixDisk, PrefixBinding)> {
-    let (disk, binding) = disk?;
-    let binding = match adapter {
-        Some(slot) => binding.under_row_adapter(digests.get(slot)?),
-        None => binding.clone(),
-    };
-    Some((disk.clone(), binding))
 }

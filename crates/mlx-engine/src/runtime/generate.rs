@@ -17,7 +17,7 @@ use crate::runtime::adapters;
 use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
 use crate::runtime::options::{GenerateOptions, LogitsProcessor, PrefixCache};
 use crate::runtime::prefill::{padded_block, prefill, prefill_groups, prefill_into, PREFILL_CHUNK};
-use crate::runtime::prefix_disk::{load_or_compute, PrefixBinding, PrefixDisk};
+use crate::runtime::prefix_disk::{self, load_or_compute, PrefixBinding, PrefixDisk};
 use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
 
 /// What generation keeps between requests.
@@ -154,8 +154,11 @@ impl GenState {
         if let Some(cache) = self.adapter_prefixes.get(&slot) {
             return Ok(Arc::clone(cache));
         }
-        let disk =
-            adapters::prefix_disk_under(self.prefix_disk.as_ref(), &self.row_digests, Some(slot));
+        let disk = prefix_disk::disk_under_adapter(
+            self.prefix_disk.as_ref(),
+            &self.row_digests,
+            Some(slot),
+        );
         let what = match self.prefix_is_clean {
             true => PrefixCache::Clean,
             false => PrefixCache::WithGeneratedToken,

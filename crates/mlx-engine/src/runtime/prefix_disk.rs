@@ -256,6 +256,21 @@ pub(crate) fn load_or_compute(
     Ok((computed, Origin::Computed))
 }
 
+/// The prefix folder and its binding for a prefix computed under
+/// `adapter`, whose files' digests by slot are `digests`.
+pub(crate) fn disk_under_adapter(
+    disk: Option<&(PrefixDisk, PrefixBinding)>,
+    digests: &[String],
+    adapter: Option<usize>,
+) -> Option<(PrefixDisk, PrefixBinding)> {
+    let (disk, binding) = disk?;
+    let binding = match adapter {
+        Some(slot) => binding.under_row_adapter(digests.get(slot)?),
+        None => binding.clone(),
+    };
+    Some((disk.clone(), binding))
+}
+
 /// Whether `path` is a stored prefix's name (`<64 hex>.safetensors`), not a
 /// temporary file or anything else in the folder.
 fn is_stored_prefix(path: &Path) -> bool {

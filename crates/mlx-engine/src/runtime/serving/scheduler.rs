@@ -14,7 +14,7 @@ use crate::models::Model;
 use crate::nn::cache::KvCache;
 use crate::runtime::adapters;
 use crate::runtime::prefill::{prefill_groups, prefill_into};
-use crate::runtime::prefix_disk::{load_or_compute, Origin, PrefixBinding, PrefixDisk};
+use crate::runtime::prefix_disk::{self, load_or_compute, Origin, PrefixBinding, PrefixDisk};
 use crate::runtime::serving::grammar::RowGrammar;
 use crate::runtime::serving::prefix_store::{Found, PrefixStore};
 use crate::runtime::serving::sampling::{Picked, Sampler};
@@ -292,7 +292,7 @@ impl Scheduler {
             }
             (_, Some(tokens)) => {
                 self.counters.prefix_misses.fetch_add(1, Ordering::Relaxed);
-                let disk = adapters::prefix_disk_under(
+                let disk = prefix_disk::disk_under_adapter(
                     self.settings.prefix_disk.as_ref(),
                     &self.settings.row_digests,
                     adapter,
