@@ -459,6 +459,9 @@ fn bench(which: Bench, args: &[String]) -> Result<()> {
     }
     if all || which == Bench::Adapters {
         std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
+        if args.iter().any(|a| a == "--e2b") {
+            std::env::set_var(CC_SENTIMENT_VAR, fixtures::cc_sentiment()?);
+        }
         cargo(
             &[
                 "bench",

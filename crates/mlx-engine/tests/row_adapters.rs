@@ -17,7 +17,7 @@ use adapter_codec::AdapterCodec;
 use common::adapter::write_smollm2_adapter;
 use mlx_engine::{
     Completion, CompletionText, EngineConfig, EngineError, GenerateOptions, MemoryMode, Message,
-    MlxEngine, PrefixCache, QuantizedWeights,
+    MlxEngine, PrefixCache, QuantizedWeights, SpecialTokens, Tokenizer,
 };
 use mlx_rs::Array;
 
@@ -352,4 +352,105 @@ fn generate_with_an_adapter_answers_as_the_fused_model_with_its_prefix_under_it(
             other => panic!("{other:?}"),
         }
     }
+}
+
+/// On a 4-bit base the fused copy is re-quantized, a different model: the
+/// reference for a row under an adapter is mlx_lm 0.32.2 serving the same
+/// adapter unfused (`LoRALinear` over `QuantizedLinear`), whose arithmetic
+/// `keep` is. Rows under the adapter alone (one pair per forward) and
+/// beside a row of none (each row's pair gathered) both match it.
+#[test]
+fn rows_under_an_adapter_answer_as_mlx_lm_serving_it_unfused() {
+    let test = "rows_under_an_adapter_answer_as_mlx_lm_serving_it_unfused";
+    let Some(python) = test_support::python::mlx_lm_python(test) else {
+        return;
+    };
+    let Some(base) = fixture(test, "q4") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let x_dir = work.path().join("x");
+    write_smollm2_adapter(&x_dir, 0, 8.0);
+    let tokenizer = Tokenizer::load(&base).unwrap();
+    let ids: Vec<Vec<u32>> = PROMPTS[..2]
+        .iter()
+        .map(|p| {
+            tokenizer
+                .chat_tokens(&user(p), true, SpecialTokens::AsText)
+                .unwrap()
+        })
+        .collect();
+    let request = common::logits::write_request(
+        work.path(),
+        &serde_json::json!({"adapter": x_dir, "prompts": ids}),
+    );
+    let reference = common::logits::run_parity_script(&python, "mlx_lm_lora.py", &base, &request);
+    let engine = MlxEngine::new(
+        EngineConfig::new(&base)
+            .quantized(QuantizedWeights::Keep)
+            .batch_size(2)
+            .named_adapter("x", &x_dir),
+    )
+    .unwrap();
+    let first_token = |adapters: [Option<&str>; 2]| -> Vec<CompletionText> {
+        let streams: Vec<_> = (0..2)
+            .map(|i| {
+                let mut c = Completion::new(user(PROMPTS[i])).max_tokens(1).logprobs(20);
+                if let Some(name) = adapters[i] {
+                    c = c.adapter(name);
+                }
+                engine.complete(c).unwrap()
+            })
+            .collect();
+        streams.into_iter().map(|s| s.collect().unwrap()).collect()
+    };
+    let under_x = first_token([Some("x"), Some("x")]);
+    let beside_none = first_token([Some("x"), None]);
+    // How far the engine's base rows are from mlx_lm's (the last position
+    // alone, BLAS): the rounding an adapter's rows may differ by too.
+    let base_gap = gap_from(&beside_none[1], &reference["base_logprobs"], 1);
+    eprintln!("the base row: largest difference from mlx_lm's {base_gap:e}");
+    for (label, answer, i) in [
+        ("alone", &under_x[0], 0),
+        ("alone", &under_x[1], 1),
+        ("beside a row of none", &beside_none[0], 0),
+    ] {
+        let theirs = &reference["logprobs"][i];
+        let gap = gap_from(answer, &reference["logprobs"], i);
+        eprintln!(
+            "prompt {i} {label}: largest difference from mlx_lm's top 20 log-probabilities {gap:e}"
+        );
+        assert_eq!(answer.tokens, [argmax(theirs)], "prompt {i} {label}");
+        assert!(
+            gap <= 4.0 * base_gap + 1e-4,
+            "prompt {i} {label}: {gap} (the base row: {base_gap})"
+        );
+    }
+}
+
+/// The largest difference of `answer`'s first token's top log-probabilities
+/// from prompt `i`'s in mlx_lm's `logprobs`.
+fn gap_from(answer: &CompletionText, logprobs: &serde_json::Value, i: usize) -> f32 {
+    let theirs = logprobs[i].as_array().unwrap();
+    let (_, top) = &answer.logprobs[0];
+    top.iter()
+        .map(|t| (t.logprob - theirs[t.id as usize].as_f64().unwrap() as f32).abs())
+        .fold(0.0f32, f32::max)
+}
+
+/// The first most likely token of `logprobs` (a JSON list), as MLX's argmax.
+fn argmax(logprobs: &serde_json::Value) -> u32 {
+    let values: Vec<f64> = logprobs
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
 }

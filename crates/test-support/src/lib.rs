@@ -5,6 +5,8 @@
 //!
 //! - [`gemma4_e2b`]: a Gemma 4 checkpoint with E2B's real module shapes and
 //!   random weights, quantized as the published "UD" MLX checkpoints are.
+//! - [`gemma_words`]: a word-level tokenizer in Gemma's chat shape for
+//!   random Gemma checkpoints.
 //! - [`tiny_llama`]: tiny random llama, mistral, qwen2 and qwen3
 //!   checkpoints, the models most engine tests run.
 //! - [`smollm2_adapter`]: random mlx_lm adapters with SmolLM2-135M's
@@ -21,6 +23,7 @@
 //! ```
 
 pub mod gemma4_e2b;
+pub mod gemma_words;
 pub mod python;
 pub mod smollm2_adapter;
 pub mod tensors;

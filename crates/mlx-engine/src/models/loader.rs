@@ -212,7 +212,7 @@ fn load(
     };
     let decoder = (family.load)(config, &source.weights(), &stage)?;
     if let Some(adapters) = &row_adapters {
-        adapters_fit(adapters, &checkpoint, settings.memory)?;
+        adapters_fit(adapters, &checkpoint)?;
     }
     if let Some(group) = placement.group() {
         let layers = stage.is_split().then(|| stage.layers());
@@ -240,19 +240,21 @@ fn load(
     .with_row_adapters(row_adapters))
 }
 
-/// Every pair of every per-row adapter adapts a linear layer: one built at
-/// load, or, with streamed layers (built when they run), a module whose
-/// weight the files hold.
-fn adapters_fit(adapters: &RowAdapters, checkpoint: &Checkpoint, memory: MemoryMode) -> Result<()> {
-    if memory != MemoryMode::Streamed {
-        return adapters.check_all_used();
-    }
-    adapters.check_modules(|module| {
+/// Every pair of every per-row adapter adapts a linear layer of the
+/// checkpoint: one the load built, or a matrix the files hold that the
+/// engine builds later (streamed layers) or never (the key and value
+/// projections a KV-shared Gemma 4 layer keeps unused, which an mlx_lm
+/// adapter may carry, as cc-sentiment's does: they change nothing there
+/// either).
+fn adapters_fit(adapters: &RowAdapters, checkpoint: &Checkpoint) -> Result<()> {
+    let matrix = |module: &str| {
+        let key = format!("{module}.weight");
         checkpoint
             .set()
-            .tensor(&format!("{module}.weight"))
-            .is_some()
-    })
+            .tensor(&key)
+            .is_some_and(|t| t.shape.len() == 2)
+    };
+    adapters.check_modules(|module| adapters.was_built(module) || matrix(module))
 }
 
 /// What decides the loaded model's numbers besides its files (see

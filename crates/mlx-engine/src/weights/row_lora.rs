@@ -210,12 +210,13 @@ impl RowAdapters {
         }))
     }
 
-    /// After a load that built every layer: each pair's module must have
-    /// been a linear layer of the model; the first that was not is
-    /// [`Error::Adapter`] (an adapter never silently does nothing).
-    pub(crate) fn check_all_used(&self) -> Result<()> {
-        let used = self.used.lock().unwrap_or_else(PoisonError::into_inner);
-        self.check_modules(|module| used.contains(module))
+    /// Whether a linear layer was built for `module` (and its pairs are
+    /// applied there).
+    pub(crate) fn was_built(&self, module: &str) -> bool {
+        self.used
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(module)
     }
 
     /// Each pair's module passes `fits`; the first that does not is

@@ -19,6 +19,13 @@
 //!
 //! Arguments: `--adapters 1,4,16` (the K of the memory rows),
 //! `--spreads 1,2,8`, `--tokens 32`.
+//!
+//! `--e2b` measures instead how close a row under cc-sentiment's shipped
+//! adapter (the fixture, `MLX_LOWMEM_CC_SENTIMENT`), served unfused on a
+//! random Gemma 4 with E2B's shapes, comes to the same base fused with it
+//! by adapter-fuse: the application's 693-word system prompt, its texts,
+//! one token each with the top 5 log-probabilities, both arithmetics
+//! (`keep`, `dequantize_on_use`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,6 +33,8 @@ use std::time::Instant;
 
 use adapter_codec::AdapterCodec;
 use mlx_engine::{Completion, EngineConfig, Message, MlxEngine, Sampling, Tokenizer};
+
+mod e2b;
 
 const ROWS: usize = 8;
 
@@ -46,6 +55,11 @@ fn main() {
         child(&args[1..]);
         return;
     }
+    let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-adapters");
+    if args.iter().any(|a| a == "--e2b") {
+        e2b::exactness(&work.join("e2b"));
+        return;
+    }
     let list = |flag: &str, default: &str| -> Vec<usize> {
         let value = args
             .iter()
@@ -63,7 +77,6 @@ fn main() {
     };
     let base = PathBuf::from(fixture).join("q4");
     let most = ks.iter().chain(&spreads).copied().max().unwrap_or(1);
-    let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-adapters");
     let (adapters, fused) = prepare(&base, &work, most);
     let base_s = base.display().to_string();
     let dirs = |dirs: &[PathBuf], n: usize| -> Vec<String> {
