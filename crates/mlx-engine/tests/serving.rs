@@ -236,3 +236,70 @@ fn gemma_rows_joining_and_leaving_answer_as_alone_past_the_window() {
         );
     }
 }
+
+/// Structured outputs hold whatever the model: a random llama (nothing it
+/// would say is JSON) with SmolLM2's byte-level tokenizer, answering under
+/// a schema greedily and at temperature 1 with several seeds, each answer
+/// cut at a budget: every one parses and meets the schema.
+#[test]
+fn a_random_model_under_a_schema_always_answers_valid_json() {
+    let Some(smollm2) = smollm2("a_random_model_under_a_schema") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut tiny = test_support::tiny_llama::TinyLlama::new("llama");
+    tiny.vocab = 49152;
+    tiny.write(dir.path());
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(smollm2.join(file), dir.path().join(file)).unwrap();
+    }
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "label": {"type": "integer", "minimum": 1, "maximum": 5},
+            "reason": {"type": "string", "maxLength": 24},
+            "tags": {"type": "array", "items": {"enum": ["bug", "feature", "docs"]}, "maxItems": 3},
+            "urgent": {"type": "boolean"}
+        },
+        "required": ["label", "reason", "tags", "urgent"],
+        "additionalProperties": false
+    });
+    let engine = MlxEngine::new(EngineConfig::new(dir.path()).batch_size(4)).unwrap();
+    let samplings: Vec<mlx_engine::Sampling> = std::iter::once(mlx_engine::Sampling::greedy())
+        .chain((0..7).map(|seed| mlx_engine::Sampling::greedy().temperature(1.0).seed(seed)))
+        .collect();
+    let streams: Vec<_> = samplings
+        .into_iter()
+        .enumerate()
+        .map(|(i, sampling)| {
+            let completion = Completion::new(user(PROMPTS[i % PROMPTS.len()]))
+                .max_tokens(40 + 3 * i)
+                .sampling(sampling)
+                .constraint(mlx_engine::Constraint::JsonSchema(schema.clone()));
+            engine.complete(completion).unwrap()
+        })
+        .collect();
+    for stream in streams {
+        let answer = stream.collect().unwrap();
+        let value: serde_json::Value = serde_json::from_str(&answer.text)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", answer.text));
+        let object = value.as_object().unwrap();
+        let mut keys: Vec<&str> = object.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["label", "reason", "tags", "urgent"], "{value}");
+        let label = value["label"].as_i64().unwrap();
+        assert!((1..=5).contains(&label), "{value}");
+        assert!(
+            value["reason"].as_str().unwrap().chars().count() <= 24,
+            "{value}"
+        );
+        let tags = value["tags"].as_array().unwrap();
+        assert!(tags.len() <= 3, "{value}");
+        assert!(
+            tags.iter()
+                .all(|t| ["bug", "feature", "docs"].contains(&t.as_str().unwrap())),
+            "{value}"
+        );
+        assert!(value["urgent"].is_boolean(), "{value}");
+    }
+}
