@@ -174,6 +174,38 @@ fn a_rank_that_dies_fails_its_peers_receive_and_the_launch() {
     assert!(ranks[1].status.is_some_and(|s| s.success()));
 }
 
+/// When a rank fails, its peers are not killed at once: a peer that fails
+/// a moment later (as every rank of a handshake that disagrees does) keeps
+/// its own error and exit code; one still running after the grace period is
+/// killed. Ranks are `sh` scripts.
+#[cfg(unix)]
+#[test]
+fn the_peers_of_a_failed_rank_get_the_grace_period_to_say_their_own_error() {
+    use std::os::unix::process::ExitStatusExt;
+    let start = Instant::now();
+    let err = Launch::new(&["127.0.0.1"], 3, "sh")
+        .args(["-c", "exit 3"])
+        .rank_command(1, "sh", ["-c", "sleep 1; echo ERROR my own half; exit 4"])
+        .rank_command(2, "sh", ["-c", "exec sleep 60"])
+        .grace(Duration::from_secs(3))
+        .timeout(Duration::from_secs(90))
+        .echo(false)
+        .run()
+        .unwrap_err();
+    let LaunchError::RankFailed { rank, ranks, .. } = err else {
+        panic!("expected a failed rank, got {err}");
+    };
+    assert_eq!(rank, 0);
+    assert_eq!(ranks[0].status.and_then(|s| s.code()), Some(3));
+    assert_eq!(ranks[1].output, ["ERROR my own half"]);
+    assert_eq!(ranks[1].status.and_then(|s| s.code()), Some(4));
+    assert_eq!(
+        ranks[2].status.and_then(|s| s.signal()),
+        Some(libc::SIGKILL)
+    );
+    assert!(start.elapsed() < Duration::from_secs(30));
+}
+
 #[test]
 fn a_launch_past_its_deadline_ends_every_rank() {
     // Rank 0 waits (up to 60 s) for a rank 1 that sleeps past the deadline.

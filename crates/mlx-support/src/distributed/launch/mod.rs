@@ -5,8 +5,9 @@
 //! Python's `mlx.launch` runs under it too), starts one process per rank
 //! with `MLX_RANK` and `MLX_HOSTFILE` set — local ranks directly, ranks on
 //! other hosts over `ssh` — forwards their output with a `[rank N]` prefix,
-//! and ends every rank when one fails or the deadline passes, so that no
-//! rank is left waiting for a peer that is gone.
+//! and ends every rank when one fails (after [`Launch::grace`] for the
+//! others to exit by themselves, saying their own errors) or the deadline
+//! passes, so that no rank is left waiting for a peer that is gone.
 //!
 //! A job asked to stop ([`Launch::stop_when`]: `mlx-launch` sets it on
 //! SIGTERM and SIGINT) passes the signal on to every rank, gives them
@@ -175,8 +176,8 @@ impl Launch {
         self
     }
 
-    /// How long ranks asked to stop (or left running when the job ends)
-    /// may take to exit before they are killed (default 5 s).
+    /// How long ranks asked to stop, or still running when another rank
+    /// failed, may take to exit before they are killed (default 5 s).
     pub fn grace(mut self, grace: Duration) -> Launch {
         self.grace = grace;
         self
@@ -407,6 +408,14 @@ impl Job {
         mut statuses: Vec<Option<ExitStatus>>,
     ) -> Vec<Option<ExitStatus>> {
         self.signal_all(signal, &statuses);
+        self.settle(grace, &mut statuses);
+        let ended = self.end_all();
+        merge(statuses, ended)
+    }
+
+    /// Waits up to `grace` for the ranks still running to exit by
+    /// themselves, recording each exit in `statuses`.
+    fn settle(&mut self, grace: Duration, statuses: &mut [Option<ExitStatus>]) {
         let start = Instant::now();
         while statuses.iter().any(Option::is_none) && start.elapsed() < grace {
             for (i, (_, child)) in self.children.iter_mut().enumerate() {
@@ -418,8 +427,6 @@ impl Job {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let ended = self.end_all();
-        merge(statuses, ended)
     }
 
     fn wait(
@@ -464,8 +471,14 @@ impl Job {
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        // A rank that exited between the last look and now keeps its own
-        // status.
+        // The peers of a failed rank usually fail at once too, each with
+        // its own half of the cause (a handshake that disagrees fails on
+        // every rank): they get the grace period to say it and exit before
+        // the rest are killed. A rank that exited between the last look and
+        // now keeps its own status.
+        if failed.is_some() {
+            self.settle(grace, &mut statuses);
+        }
         let ended = self.end_all();
         let ranks = self.exits(merge(statuses, ended));
         match failed {
