@@ -597,9 +597,17 @@ fn bad_gemma_checkpoints_are_typed_errors_naming_file_and_key() {
             "num_kv_shared_layers",
         ),
         (
-            "moe",
+            "moe without its sizes",
             Box::new(|c| c["text_config"]["enable_moe_block"] = json!(true)),
-            "enable_moe_block",
+            "`enable_moe_block` needs `num_experts`",
+        ),
+        (
+            "global kv heads",
+            Box::new(|c| {
+                c["text_config"]["attention_k_eq_v"] = json!(true);
+                c["text_config"]["num_global_key_value_heads"] = json!(3);
+            }),
+            "num_global_key_value_heads 3",
         ),
     ];
     for (what, edit, needle) in cases {

@@ -7,11 +7,15 @@
 //! engine's greedy answers with the clean prefix and with spawnllm's
 //! (`PrefixCache::WithGeneratedToken`), on the tiny Gemma 4 that has every
 //! feature (window 5 against a 270-token prefix, KV-shared layers of both
-//! kinds, per-layer inputs, mixed 4/8-bit).
+//! kinds, per-layer inputs, mixed 4/8-bit). Gemma 4's MoE variant (routed
+//! experts beside the MLP, values equal to keys), 4-bit, the same way.
 
 mod common;
 
-use common::logits::{assert_every_position, run_parity_script, write_request, Only};
+use common::logits::{
+    assert_every_position, newer_mlx, run_parity_script, run_parity_script_newer_mlx,
+    write_request, Only,
+};
 use common::tiny_gemma::*;
 use common::VOCAB;
 use mlx_engine::{
@@ -48,6 +52,47 @@ fn gemma4_in_bfloat16_equals_mlx_lm_at_every_position() {
             .unwrap();
         assert_every_position(&model, &reference, &prefix, &suffixes, TOLERANCE, what);
     }
+}
+
+/// Gemma 4's MoE (the 26B-A4B's block and k-eq-v attention) in bfloat16,
+/// 4-bit with 8-bit routers as mlx_lm quantizes it (its quantized experts
+/// need MLX 0.32.4 on the reference's side; dense bfloat16 experts it
+/// cannot run on the CPU: MLX's `GatherMM` there takes float32 only).
+#[test]
+fn quantized_gemma4_moe_in_bfloat16_equals_mlx_lm_at_every_position() {
+    let test = "quantized_gemma4_moe_in_bfloat16_equals_mlx_lm_at_every_position";
+    let Some(python) = mlx_lm_python(test) else {
+        return;
+    };
+    if newer_mlx(&python, test).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    write_gemma4_moe_in(dir, true, Dtype::Bfloat16);
+    // Shorter than `prompt_tokens` (mlx_lm's quantized experts are slow on
+    // the CPU), still eight windows long, and past 64 (row, expert)
+    // choices in a forward, where mlx_lm sorts them by expert.
+    let prefix: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 40).collect();
+    let suffixes: Vec<Vec<u32>> = [1usize, 6, 30]
+        .iter()
+        .map(|&n| (0..n).map(|i| ((i * 13 + n) % 40) as u32).collect())
+        .collect();
+    let request = write_request(dir, &json!({"prefix": prefix, "suffixes": suffixes}));
+    let reference = run_parity_script_newer_mlx(&python, "mlx_lm_positions.py", dir, &request);
+    assert_eq!(reference["dtype"], "mlx.core.bfloat16");
+    let model = Model::loader(dir)
+        .quantized(QuantizedWeights::Keep)
+        .load()
+        .unwrap();
+    assert_every_position(
+        &model,
+        &reference,
+        &prefix,
+        &suffixes,
+        TOLERANCE,
+        "MoE 4/8-bit",
+    );
 }
 
 /// The engine's answers, one label token each under a processor that

@@ -6,7 +6,10 @@
 //! random tiny mixtral (top 2 of the logits, then a softmax). The same
 //! model quantized (4 bits with 8-bit modules among them, routers dense)
 //! within 1e-3 of mlx_lm 0.32.2 on MLX 0.32.4 (the MLX its quantized
-//! experts need), multiplied packed or unpacked to f32.
+//! experts need), multiplied packed or unpacked to f32. Gemma 4's MoE (the
+//! 26B-A4B's block: a router with its own norm and per-expert scales, GeGLU
+//! experts beside the dense MLP, values equal to keys on full layers) the
+//! same way, f32 and 4-bit with 8-bit routers.
 
 mod common;
 
@@ -16,6 +19,7 @@ use common::logits::{
     assert_every_position, largest_difference, newer_mlx, positions, run_parity_script,
     run_parity_script_newer_mlx, write_request,
 };
+use common::tiny_gemma::write_gemma4_moe;
 use common::tiny_moe::{write_mixtral, write_qwen3_moe, write_qwen3_moe_quantized};
 use mlx_engine::{
     EngineConfig, GenerateOptions, KvCache, MemoryMode, Message, MlxEngine, Model,
@@ -107,6 +111,34 @@ fn quantized_qwen3_moe_matches_mlx_lm_at_every_position() {
     );
 }
 
+#[test]
+fn gemma4_moe_matches_mlx_lm_at_every_position() {
+    let test = "gemma4_moe_matches_mlx_lm_at_every_position";
+    let Some(reference) = Reference::find(test, false) else {
+        return;
+    };
+    positions_match(
+        &reference,
+        |dir| write_gemma4_moe(dir, false),
+        &[QuantizedWeights::Keep],
+        TOLERANCE,
+    );
+}
+
+#[test]
+fn quantized_gemma4_moe_matches_mlx_lm_at_every_position() {
+    let test = "quantized_gemma4_moe_matches_mlx_lm_at_every_position";
+    let Some(reference) = Reference::find(test, true) else {
+        return;
+    };
+    positions_match(
+        &reference,
+        |dir| write_gemma4_moe(dir, true),
+        &[QuantizedWeights::Keep, QuantizedWeights::DequantizeOnUse],
+        QUANTIZED_TOLERANCE,
+    );
+}
+
 /// The model `write` makes, loaded with each of `handlings`, gives
 /// mlx_lm's logits within `tolerance` at every position.
 fn positions_match(
@@ -142,7 +174,7 @@ fn positions_match(
             &prefix,
             &suffixes,
             tolerance,
-            &format!("qwen3_moe, {handling:?}"),
+            &format!("{handling:?}"),
         );
     }
 }
@@ -166,6 +198,17 @@ fn the_engine_answers_mixtral_as_mlx_lm() {
         return;
     };
     answers_match(&reference, write_mixtral);
+}
+
+/// Gemma 4's MoE in every memory mode: its experts stay in the files but
+/// for resident weights.
+#[test]
+fn the_engine_answers_gemma4_moe_as_mlx_lm() {
+    let test = "the_engine_answers_gemma4_moe_as_mlx_lm";
+    let Some(reference) = Reference::find(test, false) else {
+        return;
+    };
+    answers_match(&reference, |dir| write_gemma4_moe(dir, false));
 }
 
 /// The quantized model, as the engine holds it by default on this
@@ -234,4 +277,41 @@ fn answers_match(reference: &Reference, write: fn(&Path)) {
             }
         }
     }
+}
+
+/// Hugging Face's Gemma 4 MoE checkpoints fuse each layer's gate and up
+/// experts into one `experts.gate_up_proj` (mlx_lm's `sanitize` splits it
+/// when converting): loading one is a typed error naming the key and the
+/// way out, not a missing weight without a reason.
+#[test]
+fn gemma4_moe_in_hugging_faces_fused_layout_names_the_key_and_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    write_gemma4_moe(dir, false);
+    let path = dir.join("model.safetensors");
+    let weights = Array::load_safetensors(&path).unwrap();
+    mlx_rs::transforms::eval(weights.values()).unwrap();
+    let mut fused = std::collections::HashMap::new();
+    for (key, value) in &weights {
+        let Some(layer) = key.strip_suffix(".switch_glu.gate_proj.weight") else {
+            if !key.contains(".switch_glu.up_proj.") {
+                let key = key.replace(".switch_glu.down_proj.weight", ".down_proj");
+                fused.insert(key, value.clone());
+            }
+            continue;
+        };
+        let up = &weights[&format!("{layer}.switch_glu.up_proj.weight")];
+        let both = mlx_rs::ops::concatenate(&[value, up], -2).unwrap();
+        fused.insert(format!("{layer}.gate_up_proj"), both);
+    }
+    Array::save_safetensors(fused.iter().map(|(k, v)| (k.as_str(), v)), None, &path).unwrap();
+    let err = Model::loader(dir).load().expect_err("a fused layout loads");
+    let said = err.to_string();
+    assert!(
+        matches!(&err, mlx_engine::Error::MissingWeight { .. })
+            && said.contains("model.layers.0.experts.switch_glu.gate_proj.weight")
+            && said.contains("model.layers.0.experts.gate_up_proj")
+            && said.contains("mlx_lm.convert"),
+        "{said}"
+    );
 }

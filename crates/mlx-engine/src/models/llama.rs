@@ -175,6 +175,7 @@ fn load_experts(
         ],
         top_k: moe.num_experts_per_tok as i32,
         routing: moe.routing(),
+        gated: |g, u| Ok(silu_mul(g, u)?),
         taken_at_once: TAKEN_AT_ONCE,
     })
 }

@@ -1,6 +1,6 @@
 //! A mixture-of-experts feed-forward block, as mlx_lm 0.32.2's
-//! `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock` and `SwitchGLU`
-//! compute it: the router's choice of each position's top-k experts and
+//! `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`, Gemma 4's `Router`
+//! and `Experts`, and `SwitchGLU` compute it: the router's choice of each position's top-k experts and
 //! their weights (see [`Routing`]), each chosen expert's gated MLP through MLX's
 //! `gather_mm` (`gather_qmm` for experts multiplied packed; rows sorted by expert once there are 64 or more choices,
 //! as mlx_lm sorts them), and the experts' outputs summed by weight.
@@ -11,7 +11,6 @@ use mlx_rs::Array;
 
 use crate::error::Result;
 use crate::evaluation::{evaluate, host_slice, Why};
-use crate::nn::fused::silu_mul;
 use crate::weights::routed::{chosen_ids, renumbered_ids, Choices, ExpertStack};
 use crate::weights::Linear;
 
@@ -23,6 +22,9 @@ pub(crate) struct Experts {
     pub stacks: [ExpertStack; 3],
     pub top_k: i32,
     pub routing: Routing,
+    /// The experts' gated activation, `act(gate) · up`: SiLU (qwen3_moe,
+    /// mixtral) or tanh-approximated GELU (Gemma 4).
+    pub gated: GatedActivation,
     /// Bytes of experts a forward takes (unpacks, or reads dense) at once,
     /// about: past it, the chosen experts are taken and multiplied a group
     /// at a time, each group's products computed before the next is taken.
@@ -33,14 +35,21 @@ pub(crate) struct Experts {
 /// unpacked to f32 (18.9 MB each), where all 128 would be 2.4 GB.
 pub(crate) const TAKEN_AT_ONCE: usize = 320_000_000;
 
+/// `act(gate) · up` of a gated MLP.
+pub(crate) type GatedActivation = fn(&Array, &Array) -> Result<Array>;
+
 /// How the router's logits choose the experts and weigh them.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) enum Routing {
     /// qwen3_moe: a softmax over every expert, its top k, their weights
     /// renormalised to sum to one when asked (`norm_topk_prob`).
     SoftmaxThenTopK { renormalise: bool },
     /// mixtral: the top k of the logits, a softmax over those k.
     TopKThenSoftmax,
+    /// Gemma 4: the top k of the logits (chosen as qwen3_moe chooses, on
+    /// the logits), a softmax over those k, each weight multiplied by its
+    /// expert's learned scale `(experts,)`.
+    TopKThenScaledSoftmax { per_expert_scale: Array },
 }
 
 /// mlx_lm sorts the (row, expert) choices by expert from this many on.
@@ -49,7 +58,13 @@ const SORT_FROM: usize = 64;
 impl Experts {
     /// The block's output for `x` `(B, L, hidden)`.
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
-        let (chosen, weights) = self.route(x)?;
+        self.forward_routed_by(x, x)
+    }
+
+    /// The block's output for `x`, the experts chosen from `routed` (Gemma
+    /// 4 routes the layer's input normed otherwise than the experts').
+    pub(crate) fn forward_routed_by(&self, routed: &Array, x: &Array) -> Result<Array> {
+        let (chosen, weights) = self.route(routed)?;
         let y = self.switch_glu(x, &chosen)?;
         // (B, L, k, hidden) · (B, L, k, 1), summed over the k experts.
         let weighted = y.multiply(expand_dims_axes(&weights, &[-1])?)?;
@@ -61,14 +76,14 @@ impl Experts {
     pub(crate) fn route(&self, x: &Array) -> Result<(Array, Array)> {
         let logits = self.router.forward(x)?;
         let k = self.top_k;
-        Ok(match self.routing {
+        Ok(match &self.routing {
             Routing::SoftmaxThenTopK { renormalise } => {
                 let probs = softmax_axis(&logits, -1, true)?;
                 let chosen = argpartition_axis(&probs, -k, -1)?;
                 let last = chosen.dim(-1);
                 let chosen = chosen.index((.., .., last - k..));
                 let mut weights = take_along_axis(&probs, &chosen, -1)?;
-                if renormalise {
+                if *renormalise {
                     weights = weights.divide(sum_axis(&weights, -1, true)?)?;
                 }
                 (chosen, weights)
@@ -78,6 +93,15 @@ impl Experts {
                 let chosen = chosen.index((.., .., ..k));
                 let scores = take_along_axis(&logits, &chosen, -1)?;
                 (chosen, softmax_axis(&scores, -1, true)?)
+            }
+            Routing::TopKThenScaledSoftmax { per_expert_scale } => {
+                let chosen = argpartition_axis(&logits, -k, -1)?;
+                let last = chosen.dim(-1);
+                let chosen = chosen.index((.., .., last - k..));
+                let scores = take_along_axis(&logits, &chosen, -1)?;
+                let weights = softmax_axis(&scores, -1, false)?
+                    .multiply(per_expert_scale.take_axis(&chosen, 0)?)?;
+                (chosen, weights)
             }
         })
     }
@@ -144,7 +168,7 @@ impl Experts {
         let [gate, up, down] = &self.stacks;
         let up = product(up, &rows)?;
         let gate = product(gate, &rows)?;
-        let down = product(down, &silu_mul(&gate, &up)?)?;
+        let down = product(down, &(self.gated)(&gate, &up)?)?;
         let out = match &order {
             // (B·L·k, 1, hidden) back to the choices' order and shape.
             Some(order) => down
@@ -275,7 +299,7 @@ impl Experts {
         let [gate, up, down] = &self.stacks;
         let up = product(up, rows)?;
         let gate = product(gate, rows)?;
-        product(down, &silu_mul(&gate, &up)?)
+        product(down, &(self.gated)(&gate, &up)?)
     }
 }
 
@@ -338,6 +362,7 @@ mod tests {
             ],
             top_k: 4,
             routing: Routing::SoftmaxThenTopK { renormalise: true },
+            gated: |g, u| Ok(crate::nn::fused::silu_mul(g, u)?),
             taken_at_once,
         }
     }

@@ -149,8 +149,38 @@ pub fn write_gemma4_with(
     dtype: mlx_rs::Dtype,
     vocab: i32,
 ) {
+    write_gemma4_model(dir, layout, quantized, dtype, vocab, false);
+}
+
+/// Experts of the MoE variant.
+pub const EXPERTS: i32 = 8;
+pub const MOE_INTER: i32 = 32;
+
+/// The 26B-A4B's variant of [`write_gemma4`]: in every layer a router and
+/// 8 routed experts (top 2) beside the MLP, and full layers whose values
+/// are their keys' projection (`attention_k_eq_v`, one key/value head).
+/// `quantized`: 4-bit with the routers in 8 bits, as mlx_lm quantizes it.
+#[allow(dead_code)]
+pub fn write_gemma4_moe(dir: &Path, quantized: bool) {
+    write_gemma4_moe_in(dir, quantized, mlx_rs::Dtype::Float32);
+}
+
+/// [`write_gemma4_moe`] with every floating-point tensor in `dtype`.
+#[allow(dead_code)]
+pub fn write_gemma4_moe_in(dir: &Path, quantized: bool, dtype: mlx_rs::Dtype) {
+    write_gemma4_model(dir, Layout::Text, quantized, dtype, VOCAB, true);
+}
+
+fn write_gemma4_model(
+    dir: &Path,
+    layout: Layout,
+    quantized: bool,
+    dtype: mlx_rs::Dtype,
+    vocab: i32,
+    moe: bool,
+) {
     std::fs::create_dir_all(dir).unwrap();
-    let text = json!({
+    let mut text = json!({
         "model_type": "gemma4_text", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
         "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM, "global_head_dim": GLOBAL_HEAD_DIM, "rms_norm_eps": 1e-6,
@@ -164,6 +194,18 @@ pub fn write_gemma4_with(
         "final_logit_softcapping": 4.0, "use_double_wide_mlp": true, "tie_word_embeddings": true,
         "max_position_embeddings": 2048, "eos_token_id": 44
     });
+    if moe {
+        for (key, value) in [
+            ("enable_moe_block", json!(true)),
+            ("num_experts", json!(EXPERTS)),
+            ("top_k_experts", json!(2)),
+            ("moe_intermediate_size", json!(MOE_INTER)),
+            ("attention_k_eq_v", json!(true)),
+            ("num_global_key_value_heads", json!(1)),
+        ] {
+            text[key] = value;
+        }
+    }
     let mut w = Writer {
         prefix: layout.text_prefix(),
         dtype,
@@ -206,17 +248,21 @@ pub fn write_gemma4_with(
         w.matrix(&format!("{p}.self_attn.q_proj"), &[HEADS * hd, HIDDEN], 0.2);
         w.matrix(&format!("{p}.self_attn.o_proj"), &[HIDDEN, HEADS * hd], 0.2);
         w.random(&format!("{p}.self_attn.q_norm.weight"), &[hd], 0.1, 1.0);
+        let values_are_keys = moe && kind == "full_attention";
+        let kv_heads = if values_are_keys { 1 } else { KV_HEADS };
         if i < first_shared {
             w.matrix(
                 &format!("{p}.self_attn.k_proj"),
-                &[KV_HEADS * hd, HIDDEN],
+                &[kv_heads * hd, HIDDEN],
                 0.2,
             );
-            w.matrix(
-                &format!("{p}.self_attn.v_proj"),
-                &[KV_HEADS * hd, HIDDEN],
-                0.2,
-            );
+            if !values_are_keys {
+                w.matrix(
+                    &format!("{p}.self_attn.v_proj"),
+                    &[kv_heads * hd, HIDDEN],
+                    0.2,
+                );
+            }
             w.random(&format!("{p}.self_attn.k_norm.weight"), &[hd], 0.1, 1.0);
         } else if layout != Layout::Text {
             // What mlx_lm 0.31.3 still wrote for shared layers: never read.
@@ -234,6 +280,9 @@ pub fn write_gemma4_with(
         w.matrix(&format!("{p}.mlp.gate_proj"), &[inter, HIDDEN], 0.2);
         w.matrix(&format!("{p}.mlp.up_proj"), &[inter, HIDDEN], 0.2);
         w.matrix(&format!("{p}.mlp.down_proj"), &[HIDDEN, inter], 0.2);
+        if moe {
+            write_experts(&mut w, &p, quantized);
+        }
         for norm in [
             "input_layernorm",
             "post_attention_layernorm",
@@ -292,6 +341,46 @@ pub fn write_gemma4_with(
     }
     w.save(dir, legacy);
     write_tokenizer(dir, false);
+}
+
+/// Layer `p`'s router, experts and their norms (mlx_lm's names).
+fn write_experts(w: &mut Writer, p: &str, quantized: bool) {
+    let router = format!("{p}.router.proj");
+    if quantized {
+        // mlx_lm's `quant_predicate` for Gemma 4: routers in 8 bits.
+        w.plan.push((router.clone(), Some((64, 8))));
+    }
+    w.matrix(&router, &[EXPERTS, HIDDEN], 0.5);
+    w.random(&format!("{p}.router.scale"), &[HIDDEN], 0.1, 1.0);
+    w.random(
+        &format!("{p}.router.per_expert_scale"),
+        &[EXPERTS],
+        0.2,
+        1.0,
+    );
+    let switch = format!("{p}.experts.switch_glu");
+    w.matrix(
+        &format!("{switch}.gate_proj"),
+        &[EXPERTS, MOE_INTER, HIDDEN],
+        0.2,
+    );
+    w.matrix(
+        &format!("{switch}.up_proj"),
+        &[EXPERTS, MOE_INTER, HIDDEN],
+        0.2,
+    );
+    w.matrix(
+        &format!("{switch}.down_proj"),
+        &[EXPERTS, HIDDEN, MOE_INTER],
+        0.2,
+    );
+    for norm in [
+        "post_feedforward_layernorm_1",
+        "pre_feedforward_layernorm_2",
+        "post_feedforward_layernorm_2",
+    ] {
+        w.random(&format!("{p}.{norm}.weight"), &[HIDDEN], 0.1, 1.0);
+    }
 }
 
 /// A Gemma 3 checkpoint (sliding pattern 3: layers 2 and 5 are global).

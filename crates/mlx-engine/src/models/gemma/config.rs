@@ -39,6 +39,12 @@ pub(crate) struct LayerSpec {
     pub kv_source: usize,
     pub intermediate: usize,
     pub rope: RopeSpec,
+    /// Key/value heads of this layer's projections.
+    pub kv_heads: usize,
+    /// Gemma 4's `attention_k_eq_v` on a full layer: no value projection,
+    /// the values are the keys' projection (before the keys' norm and
+    /// rotation).
+    pub values_are_keys: bool,
 }
 
 impl LayerSpec {
@@ -65,6 +71,17 @@ pub(crate) struct GemmaSpec {
     /// the table's vocabulary.
     pub per_layer_dim: usize,
     pub per_layer_vocab: usize,
+    /// Gemma 4's mixture-of-experts block beside each layer's MLP (the
+    /// 26B-A4B model's `enable_moe_block`).
+    pub moe: Option<GemmaMoe>,
+}
+
+/// Gemma 4's routed experts, in every layer.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct GemmaMoe {
+    pub experts: usize,
+    pub top_k: usize,
+    pub intermediate: usize,
 }
 
 impl GemmaSpec {
@@ -232,6 +249,8 @@ impl GemmaSpec {
                             head_dim,
                             kv_source: i,
                             intermediate: config.intermediate_size,
+                            kv_heads: config.kv_heads(),
+                            values_are_keys: false,
                             rope: if sliding {
                                 local.clone()
                             } else {
@@ -253,6 +272,7 @@ impl GemmaSpec {
                     softcap: None,
                     per_layer_dim: 0,
                     per_layer_vocab: 0,
+                    moe: None,
                 }
             }
             Version::Four => Self::resolve_four(fields, config, window, pattern)?,
@@ -267,12 +287,18 @@ impl GemmaSpec {
         pattern: usize,
     ) -> Result<GemmaSpec, String> {
         let n = config.num_hidden_layers;
-        for unsupported in ["enable_moe_block", "attention_k_eq_v"] {
-            if flag(fields, unsupported) {
-                return Err(format!(
-                    "`{unsupported}` (the 26B/31B Gemma 4 models) is not supported"
-                ));
-            }
+        let moe = moe_of(fields)?;
+        let values_are_keys = flag(fields, "attention_k_eq_v");
+        // mlx_lm: full layers of a k-eq-v model have their own head count.
+        let global_kv_heads = match get_usize(fields, "num_global_key_value_heads")? {
+            Some(heads) if values_are_keys => heads,
+            _ => config.kv_heads(),
+        };
+        if global_kv_heads == 0 || !config.num_attention_heads.is_multiple_of(global_kv_heads) {
+            return Err(format!(
+                "num_global_key_value_heads {global_kv_heads} must divide num_attention_heads {}",
+                config.num_attention_heads
+            ));
         }
         let sliding: Vec<bool> = match fields.get("layer_types") {
             None | Some(Value::Null) => (0..n).map(|i| (i + 1) % pattern != 0).collect(),
@@ -343,6 +369,12 @@ impl GemmaSpec {
                 head_dim,
                 kv_source,
                 intermediate: config.intermediate_size * if wide { 2 } else { 1 },
+                kv_heads: if is_sliding {
+                    config.kv_heads()
+                } else {
+                    global_kv_heads
+                },
+                values_are_keys: values_are_keys && !is_sliding,
                 rope: rope_of(
                     if is_sliding {
                         "sliding_attention"
@@ -369,8 +401,33 @@ impl GemmaSpec {
             softcap,
             per_layer_dim,
             per_layer_vocab,
+            moe,
         })
     }
+}
+
+/// The MoE block's fields, when `enable_moe_block` is set.
+fn moe_of(fields: &Map<String, Value>) -> Result<Option<GemmaMoe>, String> {
+    if !flag(fields, "enable_moe_block") {
+        return Ok(None);
+    }
+    let need = |key: &str| -> Result<usize, String> {
+        get_usize(fields, key)?
+            .filter(|&v| v > 0)
+            .ok_or_else(|| format!("`enable_moe_block` needs `{key}` of at least 1"))
+    };
+    let moe = GemmaMoe {
+        experts: need("num_experts")?,
+        top_k: need("top_k_experts")?,
+        intermediate: need("moe_intermediate_size")?,
+    };
+    if moe.top_k > moe.experts {
+        return Err(format!(
+            "top_k_experts {} must be at most num_experts {}",
+            moe.top_k, moe.experts
+        ));
+    }
+    Ok(Some(moe))
 }
 
 /// mlx_lm's `initialize_rope` for the types Gemma 4 configs use.

@@ -6,6 +6,7 @@ use mlx_rs::Array;
 use crate::error::{Error, Result};
 use crate::models::config::ModelConfig;
 use crate::models::gemma::config::{GemmaSpec, Version};
+use crate::models::gemma::moe::MoeBlock;
 use crate::models::gemma::ops::{gelu_mul, norm, residual_add};
 use crate::models::gemma::per_layer::{PerLayerInputs, PerLayerSource};
 use crate::models::layers::Forward;
@@ -30,8 +31,9 @@ const QUERY_BYTES: usize = 8 << 20;
 
 struct Attention {
     q: Linear,
-    /// Keys and values: only in layers that compute their own.
-    kv: Option<(Linear, Linear, Array)>,
+    /// Keys, values (none where the values are the keys' projection) and
+    /// the keys' norm: only in layers that compute their own.
+    kv: Option<(Linear, Option<Linear>, Array)>,
     o: Linear,
     q_norm: Array,
 }
@@ -54,6 +56,8 @@ pub(super) struct Layer {
     pre_feedforward_norm: Array,
     post_feedforward_norm: Array,
     per_layer_input: Option<PerLayerInput>,
+    /// Gemma 4's routed experts beside the MLP (26B-A4B).
+    moe: Option<MoeBlock>,
     scalar: Option<Array>,
     /// Gemma 4's proportional RoPE periods.
     freqs: Option<Array>,
@@ -72,19 +76,20 @@ impl Layer {
     pub(super) fn load(cx: &LayerContext<'_>, w: &Weights<'_>, i: usize) -> Result<Layer> {
         let (config, spec) = (cx.config, cx.spec);
         let hidden = config.hidden_size;
-        let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
         let four = spec.version == Version::Four;
         let norm = |key: &KeyPath, len: usize| norm(w, spec.version, key, len);
         let layer = &spec.layers[i];
+        let (heads, kv_heads) = (config.num_attention_heads, layer.kv_heads);
         let lp = cx.layers.join(i);
         let (attn, mlp) = (lp.join("self_attn"), lp.join("mlp"));
         let hd = layer.head_dim;
         let kv = if layer.owns_kv(i) {
-            Some((
-                w.linear(&attn.join("k_proj"), hidden, kv_heads * hd)?,
-                w.linear(&attn.join("v_proj"), hidden, kv_heads * hd)?,
-                norm(&attn.join("k_norm").join("weight"), hd)?,
-            ))
+            let keys = w.linear(&attn.join("k_proj"), hidden, kv_heads * hd)?;
+            let values = match layer.values_are_keys {
+                true => None,
+                false => Some(w.linear(&attn.join("v_proj"), hidden, kv_heads * hd)?),
+            };
+            Some((keys, values, norm(&attn.join("k_norm").join("weight"), hd)?))
         } else {
             // A KV-shared layer: checkpoints from mlx_lm 0.31.3 still
             // carry unused k/v weights here, which are never read.
@@ -122,6 +127,10 @@ impl Layer {
                 hidden,
             )?,
             per_layer_input,
+            moe: match &spec.moe {
+                Some(moe) => Some(MoeBlock::load(w, &lp, hidden, moe, spec.version)?),
+                None => None,
+            },
             scalar: if four {
                 Some(w.array(&lp.join("layer_scalar"), &[1])?)
             } else {
@@ -202,7 +211,7 @@ impl Layer {
         let s = &spec.layers[i];
         let (b, l) = (p.b, p.l);
         let heads = c.num_attention_heads as i32;
-        let kv_heads = c.kv_heads() as i32;
+        let kv_heads = s.kv_heads as i32;
         let hd = s.head_dim as i32;
         let window = spec.window as i32;
         let x = fast::rms_norm(&p.h, Some(&self.input_norm), c.rms_norm_eps)?;
@@ -222,13 +231,13 @@ impl Layer {
             Some((k_proj, v_proj, k_norm)) => {
                 // Normed before the heads move ahead of the positions (the
                 // norm is over each head's features either way).
-                let k = fast::rms_norm(
-                    &k_proj.forward(&x)?.reshape(&[b, l, kv_heads, hd])?,
-                    Some(k_norm),
-                    c.rms_norm_eps,
-                )?;
+                let projected = k_proj.forward(&x)?.reshape(&[b, l, kv_heads, hd])?;
+                let mut v = match v_proj {
+                    Some(v_proj) => v_proj.forward(&x)?.reshape(&[b, l, kv_heads, hd])?,
+                    None => projected.clone(),
+                };
+                let k = fast::rms_norm(&projected, Some(k_norm), c.rms_norm_eps)?;
                 let k = rope(&k.transpose_axes(&[0, 2, 1, 3])?, &p.positions)?;
-                let mut v = v_proj.forward(&x)?.reshape(&[b, l, kv_heads, hd])?;
                 if spec.version == Version::Four {
                     v = fast::rms_norm(&v, None, c.rms_norm_eps)?;
                 }
@@ -297,11 +306,11 @@ impl Layer {
         })?;
         let mut h = residual_add(spec.version, &p.h, &out)?;
         let x = fast::rms_norm(&h, Some(&self.pre_feedforward_norm), c.rms_norm_eps)?;
-        let out = fast::rms_norm(
-            &gated_mlp(&x, &self.gate, &self.up, &self.down, gelu_mul)?,
-            Some(&self.post_feedforward_norm),
-            c.rms_norm_eps,
-        )?;
+        let mut out = gated_mlp(&x, &self.gate, &self.up, &self.down, gelu_mul)?;
+        if let Some(moe) = &self.moe {
+            out = moe.beside_the_mlp(&h, &out, c.rms_norm_eps)?;
+        }
+        let out = fast::rms_norm(&out, Some(&self.post_feedforward_norm), c.rms_norm_eps)?;
         h = residual_add(spec.version, &h, &out)?;
         if let (Some(pli), Some(ple), Some(source)) = (&self.per_layer_input, ple, &p.per_layer) {
             let gate = gelu_mul(&pli.gate.forward(&h)?, &ple.of_layer(c, spec, i, source)?)?;

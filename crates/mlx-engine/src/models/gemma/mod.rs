@@ -8,10 +8,13 @@
 //! Gemma 4 adds per-layer input embeddings, layers that reuse an earlier
 //! layer's keys and values, a weightless value norm, attention scale 1,
 //! larger heads and "proportional" RoPE on full layers, a learned scalar on
-//! each layer's output and a tanh softcap on the logits.
+//! each layer's output and a tanh softcap on the logits; the 26B-A4B model
+//! adds routed experts beside each MLP (`moe.rs`) and full layers whose
+//! values are their keys' projection.
 
 pub(crate) mod config;
 mod layer;
+mod moe;
 mod ops;
 mod per_layer;
 
@@ -96,6 +99,8 @@ pub(crate) const FAMILY: Family = Family {
             .join("layers"))
     },
     part_of: |layers, key| match layers.parse(key) {
+        // Gemma 4's routed experts (26B-A4B).
+        Ok(Some((i, param))) if param.contains("experts.switch_glu.") => Part::Experts(i),
         Ok(Some((i, _))) => Part::Layer(i),
         _ => match module_name(key) {
             "embed_tokens" => Part::Table,
@@ -135,6 +140,8 @@ pub(crate) struct Gemma {
     lm_head: Option<Linear>,
     /// Layers this stage holds.
     held: std::ops::Range<usize>,
+    /// Its routed experts are read from the files per forward.
+    experts_in_files: bool,
 }
 
 impl Gemma {
@@ -206,6 +213,7 @@ impl Gemma {
             norm: final_norm,
             lm_head,
             held: stage.layers(),
+            experts_in_files: spec.moe.is_some() && w.experts_in_files(),
         })
     }
 
@@ -220,7 +228,12 @@ impl Gemma {
 
 impl Decoder for Gemma {
     fn schedule(&self) -> Schedule {
-        self.layers.schedule()
+        match self.layers.schedule() {
+            // As for llama's experts: each routed expert read once per
+            // forward for the whole batch.
+            Schedule::Independent if self.experts_in_files => Schedule::WholeChunks,
+            schedule => schedule,
+        }
     }
 
     /// The final norm, the output head and Gemma 4's softcap.
