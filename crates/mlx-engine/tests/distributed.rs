@@ -522,6 +522,25 @@ fn half_precision_pipelines_of_every_family_answer_as_one_process_bit_for_bit() 
     }
 }
 
+/// Gemma 4's MoE variant (the 26B-A4B's parts), 4-bit with bfloat16
+/// scales and 8-bit routers: pipelines on 2 and 3 ranks answer as one
+/// process, under `Keep` and the CPU default, its experts in the files of
+/// every stage.
+#[test]
+fn gemma4_moe_pipelines_answer_as_one_process_bit_for_bit() {
+    use common::tiny_gemma::{self, write_gemma4_moe_in};
+    let dir = tempfile::tempdir().unwrap();
+    let conversations = conversation_file(dir.path(), &tiny_gemma::conversations());
+    let model = dir.path().join("gemma4-moe");
+    write_gemma4_moe_in(&model, true, mlx_rs::Dtype::Bfloat16);
+    pipelines_answer_as_one_process(
+        "gemma4 MoE 4-bit, bfloat16 scales",
+        &model,
+        &conversations,
+        &tiny_gemma::system().content,
+    );
+}
+
 /// A copy of the model folder `from` in `to`.
 fn copy_folder(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
