@@ -187,6 +187,58 @@ fn child(
         kib(mlx_peak),
         mlx_engine::expert_bytes_read() - experts_before,
     );
+    // How the routers spread their choices (on stderr: the line above is
+    // read as numbers).
+    if let Some(routing) = describe_routing(&mlx_engine::routing_counts(), dir) {
+        eprintln!("ROUTING {routing}");
+    }
+}
+
+/// The routers' choices of a run, against what uniform routing would give:
+/// each expert's share of the choices (over every layer), and the distinct
+/// experts per layer of a decode step beside `E·(1 − (1 − k/E)^rows)`, the
+/// expectation if each row chose its k experts uniformly. `None` for a
+/// model without experts taken per forward.
+fn describe_routing(counts: &mlx_engine::RoutingCounts, dir: &Path) -> Option<String> {
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).ok()?).ok()?;
+    let field = |names: &[&str]| names.iter().find_map(|n| config[*n].as_u64());
+    let experts = field(&["num_experts", "num_local_experts"])? as f64;
+    let k = field(&["num_experts_per_tok", "top_k_experts"])? as f64;
+    let total: u64 = counts.choices.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let mean = total as f64 / experts;
+    let mut shares: Vec<f64> = (0..experts as usize)
+        .map(|e| counts.choices.get(e).copied().unwrap_or(0) as f64 / mean)
+        .collect();
+    shares.sort_by(f64::total_cmp);
+    let cv = (shares.iter().map(|s| (s - 1.0).powi(2)).sum::<f64>() / experts).sqrt();
+    let quantile = |q: f64| shares[((experts - 1.0) * q).round() as usize];
+    let mut said = format!(
+        "each expert's share of the {total} choices, as a multiple of 1/{experts}: min {:.2}, quartiles {:.2} / {:.2} / {:.2}, max {:.2} (coefficient of variation {cv:.2})",
+        shares[0],
+        quantile(0.25),
+        quantile(0.5),
+        quantile(0.75),
+        shares[shares.len() - 1],
+    );
+    let steps = &counts.decode_steps;
+    if !steps.is_empty() {
+        let n = steps.len() as f64;
+        let measured = steps.iter().map(|&(_, d)| d as f64).sum::<f64>() / n;
+        let uniform = steps
+            .iter()
+            .map(|&(rows, _)| experts * (1.0 - (1.0 - k / experts).powi(rows as i32)))
+            .sum::<f64>()
+            / n;
+        said.push_str(&format!(
+            "; decode steps: {measured:.1} distinct experts per layer (uniform chance {uniform:.1}) over {} layer steps",
+            steps.len()
+        ));
+    }
+    Some(said)
 }
 
 /// The child's memory mode: set either way, so that the rows do not depend
@@ -630,6 +682,12 @@ impl ModelBench {
                         &String::from_utf8_lossy(&ours.stdout),
                         work,
                     );
+                    for routing in String::from_utf8_lossy(&ours.stderr)
+                        .lines()
+                        .filter_map(|l| l.strip_prefix("ROUTING "))
+                    {
+                        println!("    routing: {routing}");
+                    }
                 }
                 if variant == "q4" && list(args, "--batches", self.batches).first() == Some(&batch)
                 {

@@ -2,13 +2,14 @@
 //! token reads exactly the experts it chose (top 2 of 8 in each of the two
 //! sparse layers), each once, and a batch reads each chosen expert once for
 //! all the rows that chose it; so too for packed experts (weights, scales
-//! and biases), multiplied packed or unpacked. Its own test binary, one
-//! test: the counter is the process's.
+//! and biases), multiplied packed or unpacked. The routing counters see
+//! every choice of those forwards and none of the resident model's. Its own
+//! test binary, one test: the counters are the process's.
 
 mod common;
 
 use common::tiny_moe::{write_qwen3_moe, write_qwen3_moe_quantized, EXPERTS};
-use mlx_engine::{expert_bytes_read, KvCache, MemoryMode, Model, QuantizedWeights};
+use mlx_engine::{expert_bytes_read, routing_counts, KvCache, MemoryMode, Model, QuantizedWeights};
 use mlx_rs::Array;
 
 /// One expert's gate, up and down matrices: 3 × 32 × 64 f32.
@@ -34,6 +35,10 @@ fn only_the_routed_experts_are_read_once_per_forward() {
     logits.eval().unwrap();
     // 2 sparse layers × top 2.
     assert_eq!(expert_bytes_read(), 2 * 2 * EXPERT_BYTES);
+    let counts = routing_counts();
+    assert_eq!(counts.choices.iter().sum::<u64>(), 2 * 2);
+    // One position per row: a decode step in each layer, 1 row, 2 experts.
+    assert_eq!(counts.decode_steps, [(1, 2), (1, 2)]);
     let same = resident.forward(&one, &mut KvCache::new()).unwrap();
     assert_eq!(
         logits.as_slice::<f32>(),
@@ -51,11 +56,22 @@ fn only_the_routed_experts_are_read_once_per_forward() {
     let read = expert_bytes_read() - before;
     assert!(read <= 2 * EXPERTS as u64 * EXPERT_BYTES, "{read}");
     assert_eq!(read % EXPERT_BYTES, 0);
+    // 2 layers × 24 positions × top 2 more choices; 12 positions per row
+    // are no decode step.
+    let counts = routing_counts();
+    assert_eq!(counts.choices.iter().sum::<u64>(), 4 + 2 * 24 * 2);
+    assert!(counts.choices.len() <= EXPERTS as usize);
+    assert_eq!(counts.decode_steps.len(), 2);
     let same = resident.forward(&batch, &mut KvCache::new()).unwrap();
     assert_eq!(
         logits.as_slice::<f32>(),
         same.as_slice::<f32>(),
         "bit for bit"
+    );
+    assert_eq!(
+        routing_counts().choices.iter().sum::<u64>(),
+        4 + 2 * 24 * 2,
+        "the resident model's experts are multiplied by MLX, uncounted"
     );
 
     quantized_experts_are_read_as_routed();

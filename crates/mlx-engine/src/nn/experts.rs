@@ -11,7 +11,7 @@ use mlx_rs::Array;
 
 use crate::error::Result;
 use crate::evaluation::{evaluate, host_slice, Why};
-use crate::weights::routed::{chosen_ids, renumbered_ids, Choices, ExpertStack};
+use crate::weights::routed::{chosen_ids, count_routing, renumbered_ids, Choices, ExpertStack};
 use crate::weights::Linear;
 
 /// The routed experts of one layer: stacked `(experts, out, in)` weights.
@@ -119,6 +119,8 @@ impl Experts {
             Some(at_once) => {
                 let at_once = at_once.max(1);
                 let (ids, distinct) = chosen_ids(chosen)?;
+                let (rows, positions) = (chosen.dim(0) as usize, chosen.dim(1) as usize);
+                count_routing(&ids, distinct.len(), rows, positions);
                 if distinct.len() > at_once {
                     return self.switch_glu_in_groups(x, chosen, &ids, &distinct, at_once);
                 }

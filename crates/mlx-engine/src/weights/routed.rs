@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use mlx_rs::ops::{gather_mm, gather_qmm};
 use mlx_rs::{Array, Dtype};
@@ -31,6 +31,48 @@ static EXPERT_BYTES_READ: AtomicU64 = AtomicU64::new(0);
 /// of the process): what a forward over experts left in their files cost.
 pub fn expert_bytes_read() -> u64 {
     EXPERT_BYTES_READ.load(Ordering::Relaxed)
+}
+
+/// How the routers of this process's models spread their choices so far,
+/// counted where the choices are read to the host anyway: layers whose
+/// experts are taken per forward (left in the files, or packed for the
+/// host kernel). For measuring a model's routing (the benchmark); resident
+/// experts multiplied by MLX are not counted.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoutingCounts {
+    /// How often each expert id was chosen, over every layer and forward.
+    pub choices: Vec<u64>,
+    /// Each layer's forward of one position per row (a decode step): its
+    /// rows, and the distinct experts they chose between them.
+    pub decode_steps: Vec<(u32, u32)>,
+}
+
+static ROUTING: Mutex<RoutingCounts> = Mutex::new(RoutingCounts {
+    choices: Vec::new(),
+    decode_steps: Vec::new(),
+});
+
+/// What the routers chose so far (see [`RoutingCounts`]).
+pub fn routing_counts() -> RoutingCounts {
+    ROUTING.lock().map(|r| r.clone()).unwrap_or_default()
+}
+
+/// Counts one layer's forward: `ids` chosen for `rows` rows of `positions`
+/// positions each, `distinct` experts among them.
+pub(crate) fn count_routing(ids: &[u32], distinct: usize, rows: usize, positions: usize) {
+    let Ok(mut counts) = ROUTING.lock() else {
+        return;
+    };
+    for &id in ids {
+        let id = id as usize;
+        if counts.choices.len() <= id {
+            counts.choices.resize(id + 1, 0);
+        }
+        counts.choices[id] += 1;
+    }
+    if positions == 1 {
+        counts.decode_steps.push((rows as u32, distinct as u32));
+    }
 }
 
 /// Experts' matrices ready for the routed product, experts on axis 0.
