@@ -227,16 +227,29 @@ fn describe_routing(counts: &mlx_engine::RoutingCounts, dir: &Path) -> Option<St
     let steps = &counts.decode_steps;
     if !steps.is_empty() {
         let n = steps.len() as f64;
-        let measured = steps.iter().map(|&(_, d)| d as f64).sum::<f64>() / n;
+        let measured = steps.iter().map(|s| s.distinct as f64).sum::<f64>() / n;
         let uniform = steps
             .iter()
-            .map(|&(rows, _)| experts * (1.0 - (1.0 - k / experts).powi(rows as i32)))
+            .map(|s| experts * (1.0 - (1.0 - k / experts).powi(s.rows as i32)))
             .sum::<f64>()
             / n;
         said.push_str(&format!(
             "; decode steps: {measured:.1} distinct experts per layer (uniform chance {uniform:.1}) over {} layer steps",
             steps.len()
         ));
+        // Of the steps after a decode step, the share of their experts the
+        // same layer chose the step before (what a prefetch of those
+        // finds).
+        let (reused, of): (u64, u64) = steps
+            .iter()
+            .filter_map(|s| s.reused.map(|r| (r as u64, s.distinct as u64)))
+            .fold((0, 0), |(a, b), (r, d)| (a + r, b + d));
+        if of > 0 {
+            said.push_str(&format!(
+                ", {:.0}% of them chosen by the same layer at the step before",
+                100.0 * reused as f64 / of as f64
+            ));
+        }
     }
     Some(said)
 }

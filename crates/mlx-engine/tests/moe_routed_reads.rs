@@ -38,7 +38,12 @@ fn only_the_routed_experts_are_read_once_per_forward() {
     let counts = routing_counts();
     assert_eq!(counts.choices.iter().sum::<u64>(), 2 * 2);
     // One position per row: a decode step in each layer, 1 row, 2 experts.
-    assert_eq!(counts.decode_steps, [(1, 2), (1, 2)]);
+    let step = mlx_engine::DecodeStep {
+        rows: 1,
+        distinct: 2,
+        reused: None,
+    };
+    assert_eq!(counts.decode_steps, [step, step]);
     let same = resident.forward(&one, &mut KvCache::new()).unwrap();
     assert_eq!(
         logits.as_slice::<f32>(),

@@ -177,6 +177,7 @@ fn load_experts(
         routing: moe.routing(),
         gated: |g, u| Ok(silu_mul(g, u)?),
         taken_at_once: TAKEN_AT_ONCE,
+        previous_step: Default::default(),
     })
 }
 

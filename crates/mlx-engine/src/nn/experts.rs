@@ -8,6 +8,7 @@
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, argsort_axis, expand_dims_axes, softmax_axis, sum_axis};
 use mlx_rs::Array;
+use std::sync::Mutex;
 
 use crate::error::Result;
 use crate::evaluation::{evaluate, host_slice, Why};
@@ -29,6 +30,9 @@ pub(crate) struct Experts {
     /// about: past it, the chosen experts are taken and multiplied a group
     /// at a time, each group's products computed before the next is taken.
     pub taken_at_once: usize,
+    /// The distinct experts of this layer's last decode step (none after a
+    /// prefill): asked of the files ahead at the next one.
+    pub previous_step: Mutex<Vec<usize>>,
 }
 
 /// [`Experts::taken_at_once`] as loaded: 16 of Qwen3-30B-A3B's experts
@@ -118,9 +122,27 @@ impl Experts {
         let read = match self.taken_at_once.checked_div(per_expert) {
             Some(at_once) => {
                 let at_once = at_once.max(1);
+                // Decode steps choose many of the experts the step before
+                // chose: those are asked of the files now, read from
+                // storage while the graph up to the router computes (the
+                // read of the routing below waits for it).
+                let previous = self
+                    .previous_step
+                    .lock()
+                    .map(|p| p.clone())
+                    .unwrap_or_default();
+                for stack in &self.stacks {
+                    stack.prefetch(&previous);
+                }
                 let (ids, distinct) = chosen_ids(chosen)?;
                 let (rows, positions) = (chosen.dim(0) as usize, chosen.dim(1) as usize);
-                count_routing(&ids, distinct.len(), rows, positions);
+                let decode = positions == 1;
+                let reused = (decode && !previous.is_empty())
+                    .then(|| distinct.iter().filter(|e| previous.contains(e)).count());
+                count_routing(&ids, distinct.len(), rows, positions, reused);
+                if let Ok(mut step) = self.previous_step.lock() {
+                    *step = if decode { distinct.clone() } else { Vec::new() };
+                }
                 if distinct.len() > at_once {
                     return self.switch_glu_in_groups(x, chosen, &ids, &distinct, at_once);
                 }
@@ -366,6 +388,7 @@ mod tests {
             routing: Routing::SoftmaxThenTopK { renormalise: true },
             gated: |g, u| Ok(crate::nn::fused::silu_mul(g, u)?),
             taken_at_once,
+            previous_step: Mutex::default(),
         }
     }
 

@@ -42,9 +42,19 @@ pub fn expert_bytes_read() -> u64 {
 pub struct RoutingCounts {
     /// How often each expert id was chosen, over every layer and forward.
     pub choices: Vec<u64>,
-    /// Each layer's forward of one position per row (a decode step): its
-    /// rows, and the distinct experts they chose between them.
-    pub decode_steps: Vec<(u32, u32)>,
+    /// Each layer's forward of one position per row (a decode step).
+    pub decode_steps: Vec<DecodeStep>,
+}
+
+/// One layer's decode step, as [`RoutingCounts`] keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeStep {
+    pub rows: u32,
+    /// Distinct experts the rows chose between them.
+    pub distinct: u32,
+    /// How many of them the same layer chose at the decode step before;
+    /// `None` after a prefill.
+    pub reused: Option<u32>,
 }
 
 static ROUTING: Mutex<RoutingCounts> = Mutex::new(RoutingCounts {
@@ -58,8 +68,15 @@ pub fn routing_counts() -> RoutingCounts {
 }
 
 /// Counts one layer's forward: `ids` chosen for `rows` rows of `positions`
-/// positions each, `distinct` experts among them.
-pub(crate) fn count_routing(ids: &[u32], distinct: usize, rows: usize, positions: usize) {
+/// positions each, `distinct` experts among them, `reused` of them chosen
+/// by the layer's previous decode step.
+pub(crate) fn count_routing(
+    ids: &[u32],
+    distinct: usize,
+    rows: usize,
+    positions: usize,
+    reused: Option<usize>,
+) {
     let Ok(mut counts) = ROUTING.lock() else {
         return;
     };
@@ -71,7 +88,11 @@ pub(crate) fn count_routing(ids: &[u32], distinct: usize, rows: usize, positions
         counts.choices[id] += 1;
     }
     if positions == 1 {
-        counts.decode_steps.push((rows as u32, distinct as u32));
+        counts.decode_steps.push(DecodeStep {
+            rows: rows as u32,
+            distinct: distinct as u32,
+            reused: reused.map(|r| r as u32),
+        });
     }
 }
 
@@ -199,6 +220,11 @@ pub(crate) trait RoutedExperts {
     /// Bytes of one expert's matrix as a forward takes it (unpacked to
     /// f32, or read dense); 0 for a stack held whole, which takes nothing.
     fn taken_bytes_per_expert(&self) -> usize;
+
+    /// Asks the system to start reading `experts` (ascending) from the
+    /// files, for a forward that will likely take them; nothing for
+    /// experts in memory.
+    fn prefetch(&self, _experts: &[usize]) {}
 }
 
 /// One projection's stacked experts as the model holds them.
@@ -233,6 +259,19 @@ impl RoutedExperts for ChosenSource {
 
     fn taken_bytes_per_expert(&self) -> usize {
         self.taken_bytes
+    }
+
+    fn prefetch(&self, experts: &[usize]) {
+        let parts = std::iter::once(&self.weight).chain(
+            self.packing
+                .iter()
+                .flat_map(|(scales, biases, _)| [scales, biases]),
+        );
+        for part in parts {
+            if let StackPart::Files(stack) = part {
+                stack.prefetch(experts);
+            }
+        }
     }
 }
 
@@ -484,6 +523,22 @@ impl FileStack {
             dir: w.dir.to_path_buf(),
             key,
         })
+    }
+
+    /// Advice to read `experts` (distinct, ascending) ahead, a run of
+    /// consecutive experts at a time. Advice only: a failure costs the
+    /// prefetch, and the read that follows reports errors.
+    fn prefetch(&self, experts: &[usize]) {
+        let mut rest = experts;
+        while let Some(&first) = rest.first() {
+            let run = rest
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &e)| e == first + i)
+                .count();
+            let _ = self.set.advise_will_read(&self.key, first..first + run);
+            rest = &rest[run..];
+        }
     }
 
     /// Experts `experts` (distinct, ascending) of the stack, read now.

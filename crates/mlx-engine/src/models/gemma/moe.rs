@@ -70,6 +70,7 @@ impl MoeBlock {
                 routing: Routing::TopKThenScaledSoftmax { per_expert_scale },
                 gated: gelu_mul,
                 taken_at_once: TAKEN_AT_ONCE,
+                previous_step: Default::default(),
             },
             router_norm,
             after_mlp: norm("post_feedforward_layernorm_1")?,
