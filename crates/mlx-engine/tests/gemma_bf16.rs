@@ -13,7 +13,7 @@
 mod common;
 
 use common::logits::{
-    assert_every_position, newer_mlx, run_parity_script, run_parity_script_newer_mlx,
+    assert_every_position, moe_prompts, newer_mlx, run_parity_script, run_parity_script_newer_mlx,
     write_request, Only,
 };
 use common::tiny_gemma::*;
@@ -70,14 +70,9 @@ fn quantized_gemma4_moe_in_bfloat16_equals_mlx_lm_at_every_position() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     write_gemma4_moe_in(dir, true, Dtype::Bfloat16);
-    // Shorter than `prompt_tokens` (mlx_lm's quantized experts are slow on
-    // the CPU), still eight windows long, and past 64 (row, expert)
-    // choices in a forward, where mlx_lm sorts them by expert.
-    let prefix: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 40).collect();
-    let suffixes: Vec<Vec<u32>> = [1usize, 6, 30]
-        .iter()
-        .map(|&n| (0..n).map(|i| ((i * 13 + n) % 40) as u32).collect())
-        .collect();
+    // Shorter than `prompt_tokens`: mlx_lm's quantized experts are slow on
+    // the CPU.
+    let (prefix, suffixes) = moe_prompts();
     let request = write_request(dir, &json!({"prefix": prefix, "suffixes": suffixes}));
     let reference = run_parity_script_newer_mlx(&python, "mlx_lm_positions.py", dir, &request);
     assert_eq!(reference["dtype"], "mlx.core.bfloat16");

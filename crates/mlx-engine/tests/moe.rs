@@ -16,8 +16,8 @@ mod common;
 use std::path::Path;
 
 use common::logits::{
-    assert_every_position, largest_difference, newer_mlx, positions, run_parity_script,
-    run_parity_script_newer_mlx, write_request,
+    assert_every_position, largest_difference, moe_prompts, newer_mlx, positions,
+    run_parity_script, run_parity_script_newer_mlx, write_request,
 };
 use common::tiny_gemma::write_gemma4_moe;
 use common::tiny_moe::{write_mixtral, write_qwen3_moe, write_qwen3_moe_quantized};
@@ -150,13 +150,7 @@ fn positions_match(
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     write(dir);
-    // A prefix of 40 tokens and rows of 1 to 30: more than 64 (row, expert)
-    // choices in a forward, so mlx_lm sorts them by expert, and fewer.
-    let prefix: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 40).collect();
-    let suffixes: Vec<Vec<u32>> = [1usize, 6, 30]
-        .iter()
-        .map(|&n| (0..n).map(|i| ((i * 13 + n) % 40) as u32).collect())
-        .collect();
+    let (prefix, suffixes) = moe_prompts();
     let request = write_request(dir, &json!({"prefix": prefix, "suffixes": suffixes}));
     let expected = reference.run("mlx_lm_positions.py", dir, &request);
     for &handling in handlings {

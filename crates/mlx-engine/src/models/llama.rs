@@ -163,16 +163,9 @@ fn load_experts(
     moe: &MoeSettings,
 ) -> Result<Experts> {
     let (e, inter) = (moe.num_experts, moe.moe_intermediate_size);
-    let stack = |name: &str, out: usize, inputs: usize| {
-        w.expert_stack(&mlp.join("switch_mlp").join(name), e, out, inputs)
-    };
     Ok(Experts {
         router: w.linear(&mlp.join("gate"), hidden, e)?,
-        stacks: [
-            stack("gate_proj", inter, hidden)?,
-            stack("up_proj", inter, hidden)?,
-            stack("down_proj", hidden, inter)?,
-        ],
+        stacks: w.gated_expert_stacks(&mlp.join("switch_mlp"), e, inter, hidden)?,
         top_k: moe.num_experts_per_tok as i32,
         routing: moe.routing(),
         gated: |g, u| Ok(silu_mul(g, u)?),

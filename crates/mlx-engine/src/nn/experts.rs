@@ -31,7 +31,7 @@ pub(crate) struct Experts {
     /// at a time, each group's products computed before the next is taken.
     pub taken_at_once: usize,
     /// The distinct experts of this layer's last decode step (none after a
-    /// prefill): asked of the files ahead at the next one.
+    /// prefill), for counting how many the next step chooses again.
     pub previous_step: Mutex<Vec<usize>>,
 }
 
@@ -122,18 +122,15 @@ impl Experts {
         let read = match self.taken_at_once.checked_div(per_expert) {
             Some(at_once) => {
                 let at_once = at_once.max(1);
-                // Decode steps choose many of the experts the step before
-                // chose: those are asked of the files now, read from
-                // storage while the graph up to the router computes (the
-                // read of the routing below waits for it).
+                // How many of the experts the layer's previous decode step
+                // chose this one chooses again (counted; asking the files
+                // for them ahead was measured to cost more than it saved,
+                // docs/benchmarks.md).
                 let previous = self
                     .previous_step
                     .lock()
                     .map(|p| p.clone())
                     .unwrap_or_default();
-                for stack in &self.stacks {
-                    stack.prefetch(&previous);
-                }
                 let (ids, distinct) = chosen_ids(chosen)?;
                 let (rows, positions) = (chosen.dim(0) as usize, chosen.dim(1) as usize);
                 let decode = positions == 1;

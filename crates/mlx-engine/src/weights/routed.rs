@@ -220,11 +220,6 @@ pub(crate) trait RoutedExperts {
     /// Bytes of one expert's matrix as a forward takes it (unpacked to
     /// f32, or read dense); 0 for a stack held whole, which takes nothing.
     fn taken_bytes_per_expert(&self) -> usize;
-
-    /// Asks the system to start reading `experts` (ascending) from the
-    /// files, for a forward that will likely take them; nothing for
-    /// experts in memory.
-    fn prefetch(&self, _experts: &[usize]) {}
 }
 
 /// One projection's stacked experts as the model holds them.
@@ -259,19 +254,6 @@ impl RoutedExperts for ChosenSource {
 
     fn taken_bytes_per_expert(&self) -> usize {
         self.taken_bytes
-    }
-
-    fn prefetch(&self, experts: &[usize]) {
-        let parts = std::iter::once(&self.weight).chain(
-            self.packing
-                .iter()
-                .flat_map(|(scales, biases, _)| [scales, biases]),
-        );
-        for part in parts {
-            if let StackPart::Files(stack) = part {
-                stack.prefetch(experts);
-            }
-        }
     }
 }
 
@@ -410,6 +392,26 @@ impl Weights<'_> {
         self.plan.memory != MemoryMode::Resident
     }
 
+    /// A gated MLP's stacked experts under `switch` (`gate_proj`,
+    /// `up_proj`, `down_proj`), `experts` of `intermediate` wide over
+    /// `hidden`, each held as [`expert_stack`](Self::expert_stack) says.
+    pub(crate) fn gated_expert_stacks(
+        &self,
+        switch: &KeyPath,
+        experts: usize,
+        intermediate: usize,
+        hidden: usize,
+    ) -> Result<[ExpertStack; 3]> {
+        let stack = |name: &str, out: usize, inputs: usize| {
+            self.expert_stack(&switch.join(name), experts, out, inputs)
+        };
+        Ok([
+            stack("gate_proj", intermediate, hidden)?,
+            stack("up_proj", intermediate, hidden)?,
+            stack("down_proj", hidden, intermediate)?,
+        ])
+    }
+
     /// `module`'s stacked experts `(experts, out, in)`, dense or packed as
     /// the files hold them, held as the memory mode and the quantized
     /// weights' handling say: in the files unless the mode is resident;
@@ -523,22 +525,6 @@ impl FileStack {
             dir: w.dir.to_path_buf(),
             key,
         })
-    }
-
-    /// Advice to read `experts` (distinct, ascending) ahead, a run of
-    /// consecutive experts at a time. Advice only: a failure costs the
-    /// prefetch, and the read that follows reports errors.
-    fn prefetch(&self, experts: &[usize]) {
-        let mut rest = experts;
-        while let Some(&first) = rest.first() {
-            let run = rest
-                .iter()
-                .enumerate()
-                .take_while(|&(i, &e)| e == first + i)
-                .count();
-            let _ = self.set.advise_will_read(&self.key, first..first + run);
-            rest = &rest[run..];
-        }
     }
 
     /// Experts `experts` (distinct, ascending) of the stack, read now.

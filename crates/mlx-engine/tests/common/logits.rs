@@ -99,6 +99,20 @@ fn run_script_on(
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// A prefix of 40 tokens and rows of 1, 6 and 30 after it (of the word
+/// tokenizer's first 40 ids): in a forward of a mixture of experts, fewer
+/// than 64 (row, expert) choices and more, where mlx_lm sorts them by
+/// expert; eight windows of the tiny Gemmas long.
+#[allow(dead_code)]
+pub fn moe_prompts() -> (Vec<u32>, Vec<Vec<u32>>) {
+    let prefix: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 40).collect();
+    let suffixes: Vec<Vec<u32>> = [1usize, 6, 30]
+        .iter()
+        .map(|&n| (0..n).map(|i| ((i * 13 + n) % 40) as u32).collect())
+        .collect();
+    (prefix, suffixes)
+}
+
 /// Writes `body` as `DIR/request.json` for a parity script.
 pub fn write_request(dir: &Path, body: &serde_json::Value) -> PathBuf {
     let request = dir.join("request.json");

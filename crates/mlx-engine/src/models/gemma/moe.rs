@@ -54,18 +54,10 @@ impl MoeBlock {
             });
         }
         let switch = experts.join("switch_glu");
-        let (e, inter) = (moe.experts, moe.intermediate);
-        let stack = |name: &str, out: usize, inputs: usize| {
-            w.expert_stack(&switch.join(name), e, out, inputs)
-        };
         Ok(MoeBlock {
             experts: Experts {
-                router: w.linear(&router.join("proj"), hidden, e)?,
-                stacks: [
-                    stack("gate_proj", inter, hidden)?,
-                    stack("up_proj", inter, hidden)?,
-                    stack("down_proj", hidden, inter)?,
-                ],
+                router: w.linear(&router.join("proj"), hidden, moe.experts)?,
+                stacks: w.gated_expert_stacks(&switch, moe.experts, moe.intermediate, hidden)?,
                 top_k: moe.top_k as i32,
                 routing: Routing::TopKThenScaledSoftmax { per_expert_scale },
                 gated: gelu_mul,
