@@ -27,8 +27,9 @@
 //! runs 8; E2B 8), `--mlx-lm-conversations N` for mlx_lm's side alone
 //! (E2B's 4-bit runs 1; 0 skips it), `--batches 1,8,32` (Gemma 3
 //! 2,8,32; E2B 2,8), `--max-tokens 1,32` (Gemma 1), `--variants f32,q4`,
-//! `--memory resident,mapped,streamed` (ours with the embedding tables
-//! resident or left in the files, or with the decoder layers streamed from
+//! `--memory resident,experts,mapped,streamed` (ours with every weight
+//! resident, a mixture of experts' experts alone left in the files, the
+//! embedding tables (and experts) left in the files, or with the decoder layers streamed from
 //! the files as well; default resident and mapped, Gemma 3 resident only),
 //! `--lanes 1,2` (each of our rows again with that many chunks run side by
 //! side, labelled with the count; default: the engine's own choice),
@@ -257,7 +258,9 @@ fn describe_routing(counts: &mlx_engine::RoutingCounts, dir: &Path) -> Option<St
 /// The child's memory mode: set either way, so that the rows do not depend
 /// on the machine's memory (the engine's default does).
 fn config_memory(options: &[&str]) -> MemoryMode {
-    if options.contains(&"mapped") {
+    if options.contains(&"experts") {
+        MemoryMode::ExpertsInFiles
+    } else if options.contains(&"mapped") {
         MemoryMode::MappedTables
     } else if options.contains(&"streamed") {
         MemoryMode::Streamed
@@ -624,9 +627,12 @@ impl ModelBench {
                         ours_modes.push(("f32-at-load", "ours, f32 at load"));
                     }
                 }
+                "experts" => ours_modes.push(("experts", "ours, experts in the files")),
                 "mapped" => ours_modes.push(("mapped", "ours, tables mapped")),
                 "streamed" => ours_modes.push(("streamed", "ours, layers streamed")),
-                other => println!("unknown --memory {other:?}: resident, mapped or streamed"),
+                other => {
+                    println!("unknown --memory {other:?}: resident, experts, mapped or streamed")
+                }
             }
         }
         // `--lanes 1,2`: each mode also with that many chunks side by side

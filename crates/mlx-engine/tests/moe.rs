@@ -247,6 +247,7 @@ fn answers_match(reference: &Reference, write: fn(&Path)) {
     // Every memory mode: the experts are weights like any other.
     for memory in [
         MemoryMode::Resident,
+        MemoryMode::ExpertsInFiles,
         MemoryMode::MappedTables,
         MemoryMode::Streamed,
     ] {

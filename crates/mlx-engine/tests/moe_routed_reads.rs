@@ -80,6 +80,23 @@ fn only_the_routed_experts_are_read_once_per_forward() {
     );
 
     quantized_experts_are_read_as_routed();
+
+    // Experts alone in the files (the tables resident): read as routed too.
+    let experts_only = Model::loader(dir.path())
+        .quantized(QuantizedWeights::Keep)
+        .memory(MemoryMode::ExpertsInFiles)
+        .load()
+        .unwrap();
+    let before = expert_bytes_read();
+    let logits = experts_only.forward(&one, &mut KvCache::new()).unwrap();
+    logits.eval().unwrap();
+    assert_eq!(expert_bytes_read() - before, 2 * 2 * EXPERT_BYTES);
+    let same = resident.forward(&one, &mut KvCache::new()).unwrap();
+    assert_eq!(
+        logits.as_slice::<f32>(),
+        same.as_slice::<f32>(),
+        "bit for bit"
+    );
 }
 
 /// Packed bytes of one expert's three projections, weights and f32 scales

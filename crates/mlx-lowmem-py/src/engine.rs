@@ -40,11 +40,15 @@ pub(crate) struct Engine {
 fn parse_memory(memory: &str) -> PyResult<MemoryMode> {
     match memory {
         "resident" => Ok(MemoryMode::Resident),
+        "experts_in_files" => Ok(MemoryMode::ExpertsInFiles),
         "mapped_tables" => Ok(MemoryMode::MappedTables),
         "streamed" => Ok(MemoryMode::Streamed),
         other => Err(raise(
             "ConfigError",
-            format!("memory='{other}': expected 'resident', 'mapped_tables' or 'streamed'"),
+            format!(
+                "memory='{other}': expected 'resident', 'experts_in_files', 'mapped_tables' \
+                 or 'streamed'"
+            ),
         )),
     }
 }

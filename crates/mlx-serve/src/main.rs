@@ -13,6 +13,8 @@ use mlx_engine::{EngineConfig, MemoryMode, MlxEngine, QuantizedWeights};
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Memory {
     Resident,
+    /// A mixture of experts' experts read from the files as routed.
+    Experts,
     Mapped,
     Streamed,
 }
@@ -132,6 +134,7 @@ fn run() -> anyhow::Result<()> {
     if let Some(memory) = args.memory {
         config = config.memory(match memory {
             Memory::Resident => MemoryMode::Resident,
+            Memory::Experts => MemoryMode::ExpertsInFiles,
             Memory::Mapped => MemoryMode::MappedTables,
             Memory::Streamed => MemoryMode::Streamed,
         });

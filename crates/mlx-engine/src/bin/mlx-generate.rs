@@ -97,9 +97,14 @@ fn parse() -> Result<Args, String> {
             "--memory" => {
                 args.memory = Some(match value()?.as_str() {
                     "resident" => MemoryMode::Resident,
+                    "experts" => MemoryMode::ExpertsInFiles,
                     "mapped" => MemoryMode::MappedTables,
                     "streamed" => MemoryMode::Streamed,
-                    other => return Err(format!("--memory {other}: resident, mapped or streamed")),
+                    other => {
+                        return Err(format!(
+                            "--memory {other}: resident, experts, mapped or streamed"
+                        ))
+                    }
                 })
             }
             "--quantized" => {

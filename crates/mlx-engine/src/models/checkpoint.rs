@@ -159,8 +159,8 @@ impl Checkpoint {
     }
 
     /// Where the weights live by default on this machine
-    /// ([`MemoryMode::for_model`] with the weight files' bytes, the bytes
-    /// that mapped tables leave in the files, and
+    /// ([`MemoryMode::for_parts`] with the weight files' bytes, the bytes
+    /// of their tables and of their experts, and
     /// [`mlx_support::memory_limit`]).
     pub fn default_memory(&self) -> MemoryMode {
         let weights = self
@@ -169,12 +169,15 @@ impl Checkpoint {
             .iter()
             .map(|f| f.bytes().len() as u64)
             .sum();
-        let mapped = self
-            .tensor_parts()
-            .filter(|(part, _)| matches!(part, Part::Table | Part::SharedTable | Part::Experts(_)))
-            .map(|(_, bytes)| bytes)
-            .sum();
-        MemoryMode::for_model(weights, mapped, mlx_support::memory_limit())
+        let (mut tables, mut experts) = (0, 0);
+        for (part, bytes) in self.tensor_parts() {
+            match part {
+                Part::Table | Part::SharedTable => tables += bytes,
+                Part::Experts(_) => experts += bytes,
+                _ => {}
+            }
+        }
+        MemoryMode::for_parts(weights, tables, experts, mlx_support::memory_limit())
     }
 
     /// The block prefix of the decoder layers (`model.layers.`), which

@@ -293,7 +293,7 @@ fn stage_of(checkpoint: &Checkpoint, memory: MemoryMode, placement: &Placement) 
             ranges.clone()
         }
         None => {
-            let tables_mapped = memory != MemoryMode::Resident;
+            let tables_mapped = memory.maps_tables();
             let resident = checkpoint.resident_bytes(n, tables_mapped);
             split::by_bytes_where(
                 &resident.layers,

@@ -39,9 +39,11 @@ class MlxEngine:
     as mlx_lm does (``quantized="keep"``). Keyword options beyond the
     original's:
 
-    - ``memory``: where weights live — ``"resident"``, ``"mapped_tables"``
-      (embedding tables left in the files; the default for a model that
-      has them) or ``"streamed"`` (each layer read for its turn).
+    - ``memory``: where weights live — ``"resident"``,
+      ``"experts_in_files"`` (a mixture of experts' experts read from the
+      files as routed), ``"mapped_tables"`` (embedding tables left in the
+      files, experts too) or ``"streamed"`` (each layer read for its turn);
+      by default, what fits half the machine's memory.
     - ``quantized="dequantize_on_use"``: unpack quantized weights per
       product (much faster on a CPU; answers may then differ from mlx_lm's
       in the last bits of the logits). Left at None, the environment
