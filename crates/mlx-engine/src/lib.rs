@@ -144,7 +144,9 @@ pub use runtime::serving::{
 };
 pub use tokenizer::{Message, SpecialTokens, Tokenizer};
 pub use weights::kernels::Kernels;
-pub use weights::routed::{expert_bytes_read, routing_counts, DecodeStep, RoutingCounts};
+pub use weights::routed::{
+    expert_bytes_read, routing_counts, DecodeStep, RoutingCounts, DECODE_STEPS_KEPT,
+};
 
 /// Compiles the README's example with the doc-tests, so that it stays true.
 #[cfg(doctest)]

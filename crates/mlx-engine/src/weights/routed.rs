@@ -42,7 +42,9 @@ pub fn expert_bytes_read() -> u64 {
 pub struct RoutingCounts {
     /// How often each expert id was chosen, over every layer and forward.
     pub choices: Vec<u64>,
-    /// Each layer's forward of one position per row (a decode step).
+    /// Each layer's forward of one position per row (a decode step): the
+    /// first [`DECODE_STEPS_KEPT`] of the process, so that a server running
+    /// for days does not grow by one entry per layer per step.
     pub decode_steps: Vec<DecodeStep>,
 }
 
@@ -56,6 +58,9 @@ pub struct DecodeStep {
     /// `None` after a prefill.
     pub reused: Option<u32>,
 }
+
+/// How many decode steps [`RoutingCounts`] keeps (12 MB of them).
+pub const DECODE_STEPS_KEPT: usize = 1 << 20;
 
 static ROUTING: Mutex<RoutingCounts> = Mutex::new(RoutingCounts {
     choices: Vec::new(),
@@ -87,7 +92,7 @@ pub(crate) fn count_routing(
         }
         counts.choices[id] += 1;
     }
-    if positions == 1 {
+    if positions == 1 && counts.decode_steps.len() < DECODE_STEPS_KEPT {
         counts.decode_steps.push(DecodeStep {
             rows: rows as u32,
             distinct: distinct as u32,
