@@ -9,7 +9,9 @@
 //! experts need), multiplied packed or unpacked to f32. Gemma 4's MoE (the
 //! 26B-A4B's block: a router with its own norm and per-expert scales, GeGLU
 //! experts beside the dense MLP, values equal to keys on full layers) the
-//! same way, f32 and 4-bit with 8-bit routers.
+//! same way, f32 and 4-bit with 8-bit routers; and gpt_oss (sliding and
+//! full layers, attention sinks, YaRN positions, biased router and
+//! experts behind a clamped SwiGLU), f32 and 4-bit with 8-bit routers.
 
 mod common;
 
@@ -20,6 +22,7 @@ use common::logits::{
     run_parity_script, run_parity_script_newer_mlx, write_request,
 };
 use common::tiny_gemma::write_gemma4_moe;
+use common::tiny_gpt_oss::{write_gpt_oss, write_gpt_oss_quantized};
 use common::tiny_moe::{write_mixtral, write_qwen3_moe, write_qwen3_moe_quantized};
 use mlx_engine::{
     EngineConfig, GenerateOptions, KvCache, MemoryMode, Message, MlxEngine, Model,
@@ -139,6 +142,34 @@ fn quantized_gemma4_moe_matches_mlx_lm_at_every_position() {
     );
 }
 
+#[test]
+fn gpt_oss_matches_mlx_lm_at_every_position() {
+    let test = "gpt_oss_matches_mlx_lm_at_every_position";
+    let Some(reference) = Reference::find(test, false) else {
+        return;
+    };
+    positions_match(
+        &reference,
+        write_gpt_oss,
+        &[QuantizedWeights::Keep],
+        TOLERANCE,
+    );
+}
+
+#[test]
+fn quantized_gpt_oss_matches_mlx_lm_at_every_position() {
+    let test = "quantized_gpt_oss_matches_mlx_lm_at_every_position";
+    let Some(reference) = Reference::find(test, true) else {
+        return;
+    };
+    positions_match(
+        &reference,
+        write_gpt_oss_quantized,
+        &[QuantizedWeights::Keep, QuantizedWeights::DequantizeOnUse],
+        QUANTIZED_TOLERANCE,
+    );
+}
+
 /// The model `write` makes, loaded with each of `handlings`, gives
 /// mlx_lm's logits within `tolerance` at every position.
 fn positions_match(
@@ -203,6 +234,17 @@ fn the_engine_answers_gemma4_moe_as_mlx_lm() {
         return;
     };
     answers_match(&reference, |dir| write_gemma4_moe(dir, false));
+}
+
+/// gpt_oss in every memory mode: sliding layers' windows, sinks and
+/// biased experts through the shared prefix and padded batches.
+#[test]
+fn the_engine_answers_gpt_oss_as_mlx_lm() {
+    let test = "the_engine_answers_gpt_oss_as_mlx_lm";
+    let Some(reference) = Reference::find(test, false) else {
+        return;
+    };
+    answers_match(&reference, write_gpt_oss);
 }
 
 /// The quantized model, as the engine holds it by default on this
@@ -308,5 +350,36 @@ fn gemma4_moe_in_hugging_faces_fused_layout_names_the_key_and_the_way_out() {
             && said.contains("model.layers.0.experts.gate_up_proj")
             && said.contains("mlx_lm.convert"),
         "{said}"
+    );
+}
+
+/// The original gpt-oss checkpoints interleave each layer's gate and up
+/// experts in one `gate_up_proj` (MXFP4 `_blocks` in the released ones;
+/// mlx_lm's `sanitize` splits them when converting): a typed error naming
+/// the key and the way out.
+#[test]
+fn gpt_oss_in_the_original_layout_names_the_key_and_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    write_gpt_oss(dir);
+    let path = dir.join("model.safetensors");
+    let weights = Array::load_safetensors(&path).unwrap();
+    mlx_rs::transforms::eval(weights.values()).unwrap();
+    let mut original = std::collections::HashMap::new();
+    for (key, value) in &weights {
+        let key = key
+            .replace("experts.gate_proj.weight", "experts.gate_up_proj")
+            .replace("experts.up_proj.weight", "experts.gate_up_proj_blocks");
+        original.insert(key, value.clone());
+    }
+    Array::save_safetensors(original.iter().map(|(k, v)| (k.as_str(), v)), None, &path).unwrap();
+    let Err(err) = Model::loader(dir).load() else {
+        panic!("the original layout is refused")
+    };
+    let message = err.to_string();
+    assert!(
+        message.contains("model.layers.0.mlp.experts.gate_up_proj")
+            && message.contains("mlx_lm.convert"),
+        "{message}"
     );
 }

@@ -17,6 +17,7 @@ pub const SUPPORTED: &[&str] = &[
     "qwen3",
     "qwen3_moe",
     "mixtral",
+    "gpt_oss",
     "gemma3_text",
     "gemma3",
     "gemma4_text",

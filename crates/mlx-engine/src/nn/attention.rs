@@ -24,7 +24,9 @@ const SCORES_BYTES: usize = 8 << 20;
 /// `shared` keys/values are `(kv_heads, P, D)`, read by every row; `own`
 /// are `(B, kv_heads, T, D)`. `mask.own` `(B or 1, 1, L, T)` and
 /// `mask.shared` `(B, L, P)` (true = may attend) hide what a query may not
-/// see. Returns `(B, heads, L, D)`.
+/// see. `sinks` `(heads,)` (gpt_oss) are one more score per head that
+/// every query's softmax counts and no value answers: a learned share of
+/// attention that goes nowhere. Returns `(B, heads, L, D)`.
 ///
 /// Rows are attended a group at a time, each group's scores under
 /// [`SCORES_BYTES`] and evaluated before the next group's exist: a prefill
@@ -38,9 +40,10 @@ pub(crate) fn attention(
     own: (&Array, &Array),
     mask: &LayerMask,
     scale: f32,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     if q.dtype() != Dtype::Float32 {
-        return mlx_attention(q, shared, own, mask, scale);
+        return mlx_attention(q, shared, own, mask, scale, sinks);
     }
     let (b, heads, l) = (q.dim(0) as usize, q.dim(1) as usize, q.dim(2) as usize);
     let keys = own.0.dim(2) as usize + shared.map_or(0, |(k, _)| k.dim(1) as usize);
@@ -51,6 +54,7 @@ pub(crate) fn attention(
         own,
         mask,
         scale,
+        sinks,
         rows_within(SCORES_BYTES, per_row, b),
     )
 }
@@ -68,13 +72,14 @@ fn mlx_attention(
     own: (&Array, &Array),
     mask: &LayerMask,
     scale: f32,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     let (b, l) = (q.dim(0), q.dim(2));
     let t = own.0.dim(2);
     let Some((shared_keys, shared_values)) = shared else {
         let mask = mask.own.as_ref().map(ScaledDotProductAttentionMask::Array);
         return Ok(scaled_dot_product_attention(
-            q, own.0, own.1, scale, mask, None,
+            q, own.0, own.1, scale, mask, sinks,
         )?);
     };
     let p = shared_keys.dim(1);
@@ -101,7 +106,7 @@ fn mlx_attention(
     };
     let mask = combined.as_ref().map(ScaledDotProductAttentionMask::Array);
     Ok(scaled_dot_product_attention(
-        q, &keys, &values, scale, mask, None,
+        q, &keys, &values, scale, mask, sinks,
     )?)
 }
 
@@ -112,6 +117,7 @@ fn in_groups_of(
     own: (&Array, &Array),
     mask: &LayerMask,
     scale: f32,
+    sinks: Option<&Array>,
     rows: usize,
 ) -> Result<Array> {
     in_row_groups(q.dim(0) as usize, rows, |g| {
@@ -121,6 +127,7 @@ fn in_groups_of(
             (&g.of(own.0), &g.of(own.1)),
             &mask.of_rows(g),
             scale,
+            sinks,
         )
     })
 }
@@ -132,10 +139,35 @@ fn rows_attention(
     own: (&Array, &Array),
     mask: &LayerMask,
     scale: f32,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     let (b, heads, l, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let kv_heads = own.0.dim(1);
     let group = heads / kv_heads;
+    // Each query's sink, in the grouped queries' layout `(1, kv_heads,
+    // group·L, 1)`.
+    let sinks = match sinks {
+        Some(s) => {
+            let s = s.as_dtype(Dtype::Float32)?.reshape(&[kv_heads, group, 1])?;
+            let s = broadcast_to(&s, &[kv_heads, group, l])?;
+            Some(s.reshape(&[1, kv_heads, group * l, 1])?)
+        }
+        None => None,
+    };
+    // The softmax's largest score, the sink counted; and its sum, the
+    // sink's exponential added.
+    let with_sink = |max: Array| -> Result<Array> {
+        Ok(match &sinks {
+            Some(s) => maximum(&max, s)?,
+            None => max,
+        })
+    };
+    let sink_added = |sum: Array, max: &Array| -> Result<Array> {
+        Ok(match &sinks {
+            Some(s) => sum.add(s.subtract(max)?.exp()?)?,
+            None => sum,
+        })
+    };
     // Query heads `h` of one group use key/value head `h / group`: as rows
     // of one matrix, `(B, kv_heads, group·L, D)`.
     let q = q
@@ -158,8 +190,9 @@ fn rows_attention(
     // and own parts need no concatenation.
     let max_of = |s: &Array| s.max_axis(-1, true);
     let Some((shared_keys, shared_values)) = shared else {
-        let e = exp_shifted(&own_scores, &max_of(&own_scores)?)?;
-        let sum = e.sum_axis(-1, true)?;
+        let max = with_sink(max_of(&own_scores)?)?;
+        let e = exp_shifted(&own_scores, &max)?;
+        let sum = sink_added(e.sum_axis(-1, true)?, &max)?;
         return Ok(e.matmul(own.1)?.divide(sum)?.reshape(&[b, heads, l, d])?);
     };
     // Every row's queries against the prefix at once: `(kv_heads, B·group·L, D)`.
@@ -186,10 +219,16 @@ fn rows_attention(
             p,
         ])?;
     }
-    let max = maximum(back(max_of(&shared_scores)?, 1)?, max_of(&own_scores)?)?;
+    let max = with_sink(maximum(
+        back(max_of(&shared_scores)?, 1)?,
+        max_of(&own_scores)?,
+    )?)?;
     let e_shared = exp_shifted(&shared_scores, &across(&max, 1)?)?;
     let e_own = exp_shifted(&own_scores, &max)?;
-    let sum = back(e_shared.sum_axis(-1, true)?, 1)?.add(e_own.sum_axis(-1, true)?)?;
+    let sum = sink_added(
+        back(e_shared.sum_axis(-1, true)?, 1)?.add(e_own.sum_axis(-1, true)?)?,
+        &max,
+    )?;
     let from_shared = back(e_shared.matmul(shared_values)?, d)?;
     let from_own = e_own.matmul(own.1)?;
     Ok(from_shared
@@ -227,14 +266,50 @@ mod tests {
             };
             let shared = Some((&shared.0, &shared.1));
             let own = (&own.0, &own.1);
-            let whole = rows_attention(&q, shared, own, &mask, 0.3).unwrap();
+            let whole = rows_attention(&q, shared, own, &mask, 0.3, None).unwrap();
             for rows in [1, 2, 3] {
-                let grouped = in_groups_of(&q, shared, own, &mask, 0.3, rows).unwrap();
+                let grouped = in_groups_of(&q, shared, own, &mask, 0.3, None, rows).unwrap();
                 assert_eq!(grouped.shape(), whole.shape());
                 assert!(
                     max_abs_diff(&grouped, &whole) <= 1e-6,
                     "{rows} rows at a time, own mask of {own_rows} rows"
                 );
+            }
+        }
+    }
+
+    /// With sinks, the grouped products give MLX's own attention (which
+    /// counts each head's sink as one more score), with and without a
+    /// shared prefix and masks.
+    #[test]
+    fn sinks_count_as_mlx_counts_them() {
+        let normal = |shape: &[i32], seed| {
+            random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap()
+        };
+        let (b, heads, kv_heads, l, d, p, t) = (3, 4, 2, 3, 8, 5, 4);
+        let q = normal(&[b, heads, l, d], 21);
+        let shared = (normal(&[kv_heads, p, d], 22), normal(&[kv_heads, p, d], 23));
+        let own = (
+            normal(&[b, kv_heads, t, d], 24),
+            normal(&[b, kv_heads, t, d], 25),
+        );
+        let sinks = normal(&[heads], 26).multiply(Array::from_f32(3.0)).unwrap();
+        let visible: Vec<bool> = (0..b * l * t).map(|i| i % 3 != 1).collect();
+        let masks = [
+            LayerMask::default(),
+            LayerMask {
+                own: Some(Array::from_slice(&visible, &[b, 1, l, t])),
+                shared: None,
+            },
+        ];
+        for mask in &masks {
+            for shared in [None, Some((&shared.0, &shared.1))] {
+                let own = (&own.0, &own.1);
+                let ours = rows_attention(&q, shared, own, mask, 0.4, Some(&sinks)).unwrap();
+                let mlx = mlx_attention(&q, shared, own, mask, 0.4, Some(&sinks)).unwrap();
+                let without = rows_attention(&q, shared, own, mask, 0.4, None).unwrap();
+                assert!(max_abs_diff(&ours, &mlx) <= 1e-5, "{:?}", shared.is_some());
+                assert!(max_abs_diff(&ours, &without) > 1e-2, "the sinks count");
             }
         }
     }

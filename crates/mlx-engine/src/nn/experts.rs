@@ -21,10 +21,15 @@ pub(crate) struct Experts {
     pub router: Linear,
     /// The gate, up and down projections.
     pub stacks: [ExpertStack; 3],
+    /// Each expert's biases of those projections, `(experts, out)` each
+    /// (gpt_oss), added to its products as mlx_lm's `SwitchLinear` adds
+    /// them; in memory in every mode (a vector per expert).
+    pub biases: Option<[Array; 3]>,
     pub top_k: i32,
     pub routing: Routing,
     /// The experts' gated activation, `act(gate) · up`: SiLU (qwen3_moe,
-    /// mixtral) or tanh-approximated GELU (Gemma 4).
+    /// mixtral), tanh-approximated GELU (Gemma 4) or gpt_oss's clamped
+    /// SwiGLU.
     pub gated: GatedActivation,
     /// Bytes of experts a forward takes (unpacks, or reads dense) at once,
     /// about: past it, the chosen experts are taken and multiplied a group
@@ -50,10 +55,14 @@ pub(crate) enum Routing {
     SoftmaxThenTopK { renormalise: bool },
     /// mixtral: the top k of the logits, a softmax over those k.
     TopKThenSoftmax,
-    /// Gemma 4: the top k of the logits (chosen as qwen3_moe chooses, on
-    /// the logits), a softmax over those k, each weight multiplied by its
-    /// expert's learned scale `(experts,)`.
-    TopKThenScaledSoftmax { per_expert_scale: Array },
+    /// Gemma 4 and gpt_oss: the top k of the logits (chosen as qwen3_moe
+    /// chooses, on the logits), a softmax over those k (in f32 for lower
+    /// precisions when `precise`: gpt_oss), each weight multiplied by its
+    /// expert's learned scale `(experts,)` where there is one (Gemma 4).
+    TopKThenScaledSoftmax {
+        per_expert_scale: Option<Array>,
+        precise: bool,
+    },
 }
 
 /// mlx_lm sorts the (row, expert) choices by expert from this many on.
@@ -98,13 +107,18 @@ impl Experts {
                 let scores = take_along_axis(&logits, &chosen, -1)?;
                 (chosen, softmax_axis(&scores, -1, true)?)
             }
-            Routing::TopKThenScaledSoftmax { per_expert_scale } => {
+            Routing::TopKThenScaledSoftmax {
+                per_expert_scale,
+                precise,
+            } => {
                 let chosen = argpartition_axis(&logits, -k, -1)?;
                 let last = chosen.dim(-1);
                 let chosen = chosen.index((.., .., last - k..));
                 let scores = take_along_axis(&logits, &chosen, -1)?;
-                let weights = softmax_axis(&scores, -1, false)?
-                    .multiply(per_expert_scale.take_axis(&chosen, 0)?)?;
+                let mut weights = softmax_axis(&scores, -1, *precise)?;
+                if let Some(scale) = per_expert_scale {
+                    weights = weights.multiply(scale.take_axis(&chosen, 0)?)?;
+                }
                 (chosen, weights)
             }
         })
@@ -185,11 +199,7 @@ impl Experts {
                 .as_ref()
                 .map(|(distinct, local)| (&distinct[..], local)),
         };
-        let product = |stack: &ExpertStack, a: &Array| stack.product(a, &choices, sorted);
-        let [gate, up, down] = &self.stacks;
-        let up = product(up, &rows)?;
-        let gate = product(gate, &rows)?;
-        let down = product(down, &(self.gated)(&gate, &up)?)?;
+        let down = self.gated_mlp(&rows, &choices, sorted)?;
         let out = match &order {
             // (B·L·k, 1, hidden) back to the choices' order and shape.
             Some(order) => down
@@ -316,8 +326,24 @@ impl Experts {
             global: &global,
             taken: Some((group, &local)),
         };
-        let product = |stack: &ExpertStack, a: &Array| stack.product(a, &choices, sorted);
-        let [gate, up, down] = &self.stacks;
+        self.gated_mlp(rows, &choices, sorted)
+    }
+
+    /// The chosen experts' gated MLP of `rows`: each projection's product,
+    /// its experts' biases added where they have them.
+    fn gated_mlp(&self, rows: &Array, choices: &Choices<'_>, sorted: bool) -> Result<Array> {
+        let product = |which: usize, a: &Array| -> Result<Array> {
+            let y = self.stacks[which].product(a, choices, sorted)?;
+            Ok(match &self.biases {
+                // `(…, 1, out)` products; the choices' biases `(…, out)`.
+                Some(biases) => {
+                    let bias = biases[which].take_axis(choices.global, 0)?;
+                    y.add(expand_dims_axes(&bias, &[-2])?)?
+                }
+                None => y,
+            })
+        };
+        let (gate, up, down) = (0, 1, 2);
         let up = product(up, rows)?;
         let gate = product(gate, rows)?;
         product(down, &(self.gated)(&gate, &up)?)
@@ -381,6 +407,7 @@ mod tests {
                 packed(&[EXPERTS, INTER, HIDDEN], 3),
                 packed(&[EXPERTS, HIDDEN, INTER], 4),
             ],
+            biases: None,
             top_k: 4,
             routing: Routing::SoftmaxThenTopK { renormalise: true },
             gated: |g, u| Ok(crate::nn::fused::silu_mul(g, u)?),

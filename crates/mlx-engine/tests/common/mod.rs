@@ -8,6 +8,7 @@ pub mod converted;
 pub mod gemma_words;
 pub mod logits;
 pub mod tiny_gemma;
+pub mod tiny_gpt_oss;
 pub mod tiny_moe;
 
 use std::path::Path;

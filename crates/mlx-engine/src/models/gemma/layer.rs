@@ -293,6 +293,7 @@ impl Layer {
                 (&g.of(&keys), &g.of(&values)),
                 &mask.of_rows(g),
                 spec.attention_scale,
+                None,
             )?;
             let attended =
                 attended

@@ -59,7 +59,11 @@ impl MoeBlock {
                 router: w.linear(&router.join("proj"), hidden, moe.experts)?,
                 stacks: w.gated_expert_stacks(&switch, moe.experts, moe.intermediate, hidden)?,
                 top_k: moe.top_k as i32,
-                routing: Routing::TopKThenScaledSoftmax { per_expert_scale },
+                biases: None,
+                routing: Routing::TopKThenScaledSoftmax {
+                    per_expert_scale: Some(per_expert_scale),
+                    precise: false,
+                },
                 gated: gelu_mul,
                 taken_at_once: TAKEN_AT_ONCE,
                 previous_step: Default::default(),

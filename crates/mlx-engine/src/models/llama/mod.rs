@@ -1,6 +1,9 @@
 //! The llama-family decoder (llama, mistral, qwen2, qwen3, and the
-//! mixtures of experts qwen3_moe and mixtral, whose sparse layers route
-//! each position to a few experts) written with mlx-rs.
+//! mixtures of experts qwen3_moe, mixtral and gpt_oss, whose sparse layers
+//! route each position to a few experts) written with mlx-rs.
+
+mod gpt_oss;
+mod moe;
 
 use mlx_rs::fast;
 use mlx_rs::Array;
@@ -12,12 +15,14 @@ use crate::models::family::{module_name, Decoder, Family, Part};
 use crate::models::layers::{Forward, Layers, Schedule};
 use crate::nn::attention::attention;
 use crate::nn::cache::{KvCache, LayerMask};
-use crate::nn::experts::{Experts, Routing, TAKEN_AT_ONCE};
+use crate::nn::experts::Experts;
 use crate::nn::fused::silu_mul;
 use crate::nn::mlp::gated_mlp;
-use crate::nn::rope::Positions;
+use crate::nn::rope::{Positions, Yarn};
+
 use crate::ops::at_position;
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
+use moe::{load_experts, MoeSettings};
 
 /// Where the llama family's text decoder keeps its weights.
 const MODEL: &str = "model";
@@ -34,6 +39,11 @@ struct Layer {
     o: Linear,
     q_norm: Option<Array>,
     k_norm: Option<Array>,
+    /// A learned score per head that every query's softmax counts
+    /// (gpt_oss).
+    sinks: Option<Array>,
+    /// The attention window of a sliding layer (gpt_oss).
+    window: Option<i32>,
     mlp: Mlp,
     input_norm: Array,
     post_norm: Array,
@@ -56,122 +66,14 @@ enum Mlp {
 struct LlamaSettings {
     /// Queries and keys RMS-normalised per head (qwen3, qwen3_moe).
     qk_norm: bool,
-    /// The mixtures of experts' (qwen3_moe, mixtral).
+    /// The mixtures of experts' (qwen3_moe, mixtral, gpt_oss).
     moe: Option<MoeSettings>,
-}
-
-/// The mixture of experts' fields of `config.json`: qwen3_moe's as mlx_lm's
-/// `ModelArgs` names them; mixtral's are read into the same (see
-/// [`MoeSettings::mixtral`]).
-#[derive(Debug, Clone, serde::Deserialize)]
-struct MoeSettings {
-    num_experts: usize,
-    num_experts_per_tok: usize,
-    #[serde(default = "one")]
-    decoder_sparse_step: usize,
-    #[serde(default)]
-    mlp_only_layers: Vec<usize>,
-    moe_intermediate_size: usize,
-    #[serde(default)]
-    norm_topk_prob: bool,
-    /// Which of the two the checkpoint is.
-    #[serde(skip)]
-    style: MoeStyle,
-}
-
-/// How a family lays out and routes its experts.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-enum MoeStyle {
-    /// Under `mlp`, a softmax over every expert, then the top k.
-    #[default]
-    Qwen3Moe,
-    /// Under `block_sparse_moe`, the top k of the router's logits, then a
-    /// softmax over those; every layer sparse.
-    Mixtral,
-}
-
-/// mixtral's fields of `config.json` (mlx_lm's `ModelArgs`).
-#[derive(Debug, Clone, serde::Deserialize)]
-struct MixtralFields {
-    num_local_experts: usize,
-    num_experts_per_tok: usize,
-    intermediate_size: usize,
-}
-
-fn one() -> usize {
-    1
-}
-
-impl MoeSettings {
-    fn mixtral(fields: MixtralFields) -> MoeSettings {
-        MoeSettings {
-            num_experts: fields.num_local_experts,
-            num_experts_per_tok: fields.num_experts_per_tok,
-            decoder_sparse_step: 1,
-            mlp_only_layers: Vec::new(),
-            moe_intermediate_size: fields.intermediate_size,
-            norm_topk_prob: false,
-            style: MoeStyle::Mixtral,
-        }
-    }
-
-    /// The feed-forward block's name within a layer.
-    fn block(&self) -> &'static str {
-        match self.style {
-            MoeStyle::Qwen3Moe => "mlp",
-            MoeStyle::Mixtral => "block_sparse_moe",
-        }
-    }
-
-    fn routing(&self) -> Routing {
-        match self.style {
-            MoeStyle::Qwen3Moe => Routing::SoftmaxThenTopK {
-                renormalise: self.norm_topk_prob,
-            },
-            MoeStyle::Mixtral => Routing::TopKThenSoftmax,
-        }
-    }
-
-    /// Whether layer `i` routes to experts (mlx_lm's rule).
-    fn sparse(&self, i: usize) -> bool {
-        !self.mlp_only_layers.contains(&i)
-            && self.num_experts > 0
-            && (i + 1).is_multiple_of(self.decoder_sparse_step.max(1))
-    }
-
-    fn check(&self) -> std::result::Result<(), String> {
-        if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
-            return Err(format!(
-                "num_experts_per_tok {} must be between 1 and num_experts {}",
-                self.num_experts_per_tok, self.num_experts
-            ));
-        }
-        if self.moe_intermediate_size == 0 {
-            return Err("moe_intermediate_size must be at least 1".into());
-        }
-        Ok(())
-    }
-}
-
-/// A sparse layer's experts: the router and the stacked expert weights,
-/// held as the memory mode and the quantized weights' handling say (see
-/// `Weights::expert_stack`): a streamed layer's experts stay in the files.
-fn load_experts(
-    w: &Weights<'_>,
-    mlp: &KeyPath,
-    hidden: usize,
-    moe: &MoeSettings,
-) -> Result<Experts> {
-    let (e, inter) = (moe.num_experts, moe.moe_intermediate_size);
-    Ok(Experts {
-        router: w.linear(&mlp.join("gate"), hidden, e)?,
-        stacks: w.gated_expert_stacks(&mlp.join("switch_mlp"), e, inter, hidden)?,
-        top_k: moe.num_experts_per_tok as i32,
-        routing: moe.routing(),
-        gated: |g, u| Ok(silu_mul(g, u)?),
-        taken_at_once: TAKEN_AT_ONCE,
-        previous_step: Default::default(),
-    })
+    /// Layers attending within a window (gpt_oss's sliding layers).
+    windows: Option<gpt_oss::Windows>,
+    /// Each layer's attention has a sink per head (gpt_oss).
+    sinks: bool,
+    /// YaRN-scaled rotary positions (gpt_oss).
+    yarn: Option<Yarn>,
 }
 
 impl Layer {
@@ -200,6 +102,14 @@ impl Layer {
             o: w.linear(&attn.join("o_proj"), heads * hd, hidden)?,
             q_norm: qk_norm("q_norm")?,
             k_norm: qk_norm("k_norm")?,
+            sinks: if settings.is_some_and(|s| s.sinks) {
+                Some(w.vector(&attn.join("sinks"), heads)?)
+            } else {
+                None
+            },
+            window: settings
+                .and_then(|s| s.windows.as_ref())
+                .and_then(|windows| windows.of(i)),
             mlp: match settings.and_then(|s| s.moe.as_ref()) {
                 Some(moe) if moe.sparse(i) => {
                     let block = p.join(moe.block());
@@ -217,9 +127,18 @@ impl Layer {
     }
 }
 
-/// The llama family: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral.
+/// The llama family: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral,
+/// gpt_oss.
 pub(crate) const FAMILY: Family = Family {
-    model_types: &["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"],
+    model_types: &[
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "mixtral",
+        "gpt_oss",
+    ],
     fields: |raw| {
         let mut fields = raw.clone();
         // mlx_lm's default for mixtral, where ours is llama's.
@@ -230,6 +149,9 @@ pub(crate) const FAMILY: Family = Family {
     },
     settings: |raw, _, config| {
         let model_type = config.model_type.as_str();
+        if model_type == "gpt_oss" {
+            return Ok(Some(FamilySettings::new(gpt_oss::settings(raw, config)?)));
+        }
         let parsed = match model_type {
             "qwen3_moe" => serde_json::from_value(raw.clone()).map(Some),
             "mixtral" => serde_json::from_value(raw.clone()).map(|f| Some(MoeSettings::mixtral(f))),
@@ -244,13 +166,22 @@ pub(crate) const FAMILY: Family = Family {
             // qwen2's, are found by their weights).
             qk_norm: matches!(model_type, "qwen3" | "qwen3_moe"),
             moe,
+            windows: None,
+            sinks: false,
+            yarn: None,
         })))
     },
     layers_prefix: |_, _, _| Ok(layers_path()),
     part_of: |layers, key| match layers.parse(key) {
-        // `mlp.switch_mlp` (qwen3_moe) or `block_sparse_moe.switch_mlp`
-        // (mixtral): the stacked experts.
-        Ok(Some((i, param))) if param.contains("switch_mlp.") => Part::Experts(i),
+        // `mlp.switch_mlp` (qwen3_moe), `block_sparse_moe.switch_mlp`
+        // (mixtral) or `mlp.experts` (gpt_oss): the stacked experts; not
+        // gpt_oss's experts' biases, a vector per expert.
+        Ok(Some((i, param)))
+            if param.contains("switch_mlp.")
+                || (param.contains("mlp.experts.") && !param.ends_with(".bias")) =>
+        {
+            Part::Experts(i)
+        }
         Ok(Some((i, _))) => Part::Layer(i),
         _ if module_name(key) == "embed_tokens" => Part::Table,
         _ => Part::Rest,
@@ -269,6 +200,8 @@ pub(crate) struct Llama {
     head: Option<Head>,
     /// Its experts are read from the files per forward.
     experts_in_files: bool,
+    /// YaRN's periods and feature scale, where the positions are YaRN's.
+    yarn: Option<(Array, f32)>,
 }
 
 struct Head {
@@ -307,14 +240,23 @@ impl Llama {
         let layers = Layers::load(w, &layers_path(), stage.layers(), move |w, i| {
             Layer::load(&layer_config, w, i)
         })?;
-        let moe = config
-            .settings::<LlamaSettings>()
-            .is_some_and(|s| s.moe.is_some());
+        let settings = config.settings::<LlamaSettings>();
+        let moe = settings.is_some_and(|s| s.moe.is_some());
+        let yarn = match settings.and_then(|s| s.yarn.as_ref()) {
+            Some(yarn) => {
+                let freqs = yarn.freqs()?;
+                // Lanes read the model's arrays from other threads.
+                crate::evaluation::evaluate(crate::evaluation::Why::Load, [&freqs])?;
+                Some((freqs, yarn.feature_scale() as f32))
+            }
+            None => None,
+        };
         Ok(Llama {
             embed,
             layers,
             head,
             experts_in_files: moe && w.experts_in_files(),
+            yarn,
         })
     }
 
@@ -380,11 +322,27 @@ impl Llama {
         last_only: bool,
     ) -> Result<Vec<Array>> {
         let narrow_at = c.num_hidden_layers.checked_sub(1).filter(|_| last_only);
+        let windows = c
+            .settings::<LlamaSettings>()
+            .and_then(|s| s.windows.as_ref());
+        // One mask per kind of layer, from the first held layer of the
+        // kind (all of them keep the same slots).
+        let first_held = |sliding: bool| {
+            stage
+                .layers()
+                .find(|&i| windows.and_then(|w| w.of(i)).is_some() == sliding)
+        };
+        let (full, sliding) = (first_held(false), first_held(true));
         let begin = |tokens: &Array, cache: &'c mut KvCache| {
             let l = tokens.dim(1);
             Ok(Pass {
                 x: stage.input(tokens, c.hidden_size, || self.embed()?.lookup(tokens))?,
-                mask: cache.mask(0, l, None),
+                mask: cache.mask(full.unwrap_or(0), l, None),
+                window_mask: match (windows, sliding) {
+                    (Some(w), Some(i)) => Some(cache.mask(i, l, Some(w.size))),
+                    _ => None,
+                },
+                yarn: self.yarn.clone(),
                 positions: Positions::of(cache),
                 b: tokens.dim(0),
                 l,
@@ -408,7 +366,12 @@ impl Llama {
 /// One forward in progress: the hidden state after the layers so far.
 struct Pass<'c> {
     x: Array,
+    /// The full layers' mask.
     mask: LayerMask,
+    /// The sliding layers' mask, where there are some.
+    window_mask: Option<LayerMask>,
+    /// YaRN's periods and feature scale.
+    yarn: Option<(Array, f32)>,
     positions: Positions,
     b: i32,
     /// Positions the queries run on: `new`, or 1 once narrowed.
@@ -447,17 +410,30 @@ impl Layer {
         if let Some(kn) = &self.k_norm {
             k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
         }
-        let rope = |x: &Array, positions: &Positions| {
-            positions.rope(x, hd, c.rope_traditional, Some(c.rope_theta), 1.0, None)
+        let yarn = p.yarn.clone();
+        let rope = |x: &Array, positions: &Positions| match &yarn {
+            Some((freqs, scale)) => {
+                let scale = Array::from_f32(*scale).as_dtype(x.dtype())?;
+                positions.rope(
+                    &x.multiply(scale)?,
+                    hd,
+                    c.rope_traditional,
+                    None,
+                    1.0,
+                    Some(freqs),
+                )
+            }
+            None => positions.rope(x, hd, c.rope_traditional, Some(c.rope_theta), 1.0, None),
         };
         let k = rope(&k, &p.positions)?;
-        let (k, v) = p.cache.append(i, k, v, None)?;
+        let (k, v) = p.cache.append(i, k, v, self.window)?;
         // Every position's keys and values are written: in the last layer
         // of a prefill only the last position's queries matter from here.
         let h = if p.narrow_at == Some(i) {
             let last = p.l - 1;
             p.x = at_position(&p.x, 1, last)?;
             p.mask = p.mask.of_last(p.l)?;
+            p.window_mask = p.window_mask.as_ref().map(|m| m.of_last(p.l)).transpose()?;
             p.positions = p.positions.advanced(last)?;
             p.l = 1;
             at_position(&h, 1, last)?
@@ -474,7 +450,18 @@ impl Layer {
             q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
         }
         let q = rope(&q, &p.positions)?;
-        let attended = attention(&q, p.cache.shared(i), (&k, &v), &p.mask, scale)?;
+        let mask = match (&p.window_mask, self.window) {
+            (Some(window_mask), Some(_)) => window_mask,
+            _ => &p.mask,
+        };
+        let attended = attention(
+            &q,
+            p.cache.shared(i),
+            (&k, &v),
+            mask,
+            scale,
+            self.sinks.as_ref(),
+        )?;
         let attended = attended
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[b, l, heads * hd])?;

@@ -1,0 +1,170 @@
+//! gpt_oss as a member of the llama family, as mlx_lm 0.32.2's
+//! `gpt_oss.py` computes it: sliding and full attention layers alternating
+//! (`layer_types`), a learned sink per head in every layer's attention,
+//! YaRN-scaled rotary positions, biases on every projection, and a router
+//! with a bias choosing among experts that have biases too, behind a
+//! clamped SwiGLU.
+
+use mlx_rs::ops::{maximum, minimum, sigmoid};
+use mlx_rs::{Array, Dtype};
+
+use crate::error::{Error, Result};
+use crate::models::config::ModelConfig;
+use crate::nn::rope::Yarn;
+use crate::weights::{KeyPath, Weights};
+
+use super::moe::{MoeSettings, MoeStyle};
+use super::LlamaSettings;
+
+/// Which layers attend within a window, and the window: the latest
+/// `size` positions, the query's own included.
+#[derive(Debug, Clone)]
+pub(super) struct Windows {
+    pub size: i32,
+    pub sliding: Vec<bool>,
+}
+
+impl Windows {
+    /// Layer `i`'s window, if it has one.
+    pub(super) fn of(&self, i: usize) -> Option<i32> {
+        self.sliding
+            .get(i)
+            .copied()
+            .unwrap_or(false)
+            .then_some(self.size)
+    }
+}
+
+/// gpt_oss's fields of `config.json` beyond the common ones (mlx_lm's
+/// `ModelArgs`).
+#[derive(Debug, serde::Deserialize)]
+struct Fields {
+    num_local_experts: usize,
+    num_experts_per_tok: usize,
+    intermediate_size: usize,
+    sliding_window: usize,
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    rope_scaling: Option<serde_json::Value>,
+}
+
+/// The family's settings for a gpt_oss `config.json`.
+pub(super) fn settings(
+    raw: &serde_json::Value,
+    config: &ModelConfig,
+) -> std::result::Result<LlamaSettings, String> {
+    let fields: Fields = serde_json::from_value(raw.clone()).map_err(|e| e.to_string())?;
+    let layers = config.num_hidden_layers;
+    // mlx_lm's default: sliding then full, pair by pair (it would leave an
+    // odd last layer out of the forward; that is refused here instead).
+    let types = match fields.layer_types {
+        Some(types) => types,
+        None if layers.is_multiple_of(2) => ["sliding_attention", "full_attention"]
+            .iter()
+            .cycle()
+            .take(layers)
+            .map(|t| (*t).to_owned())
+            .collect(),
+        None => {
+            return Err(format!(
+                "{layers} layers and no layer_types: give layer_types"
+            ))
+        }
+    };
+    if types.len() != layers {
+        return Err(format!(
+            "layer_types has {} entries for {layers} layers",
+            types.len()
+        ));
+    }
+    let sliding = types
+        .iter()
+        .map(|t| match t.as_str() {
+            "sliding_attention" => Ok(true),
+            "full_attention" => Ok(false),
+            other => Err(format!(
+                "layer type {other:?}: gpt_oss's are sliding_attention and full_attention"
+            )),
+        })
+        .collect::<std::result::Result<Vec<bool>, String>>()?;
+    if fields.sliding_window == 0 || fields.sliding_window > i32::MAX as usize {
+        return Err(format!(
+            "sliding_window {} is out of range",
+            fields.sliding_window
+        ));
+    }
+    let scaling = fields.rope_scaling.as_ref().filter(|s| !s.is_null());
+    let yarn = Yarn::from_scaling(scaling, config.head_dim(), f64::from(config.rope_theta))?;
+    if scaling.is_some() && yarn.is_none() {
+        return Err("gpt_oss's rope_scaling must be of type yarn".into());
+    }
+    let moe = MoeSettings {
+        num_experts: fields.num_local_experts,
+        num_experts_per_tok: fields.num_experts_per_tok,
+        decoder_sparse_step: 1,
+        mlp_only_layers: Vec::new(),
+        moe_intermediate_size: fields.intermediate_size,
+        norm_topk_prob: false,
+        style: MoeStyle::GptOss,
+    };
+    moe.check()?;
+    Ok(LlamaSettings {
+        qk_norm: false,
+        moe: Some(moe),
+        windows: Some(Windows {
+            size: fields.sliding_window as i32,
+            sliding,
+        }),
+        sinks: true,
+        yarn,
+    })
+}
+
+/// The experts' biases under `experts` (`gate_proj.bias`, …), or a typed
+/// error naming the way out when the files hold Hugging Face's original
+/// layout (gate and up interleaved in one `gate_up_proj`, MXFP4 blocks
+/// beside it), which mlx_lm's `sanitize` rewrites when converting.
+pub(super) fn expert_biases(
+    w: &Weights<'_>,
+    experts: &KeyPath,
+    moe: &MoeSettings,
+    hidden: usize,
+) -> Result<[Array; 3]> {
+    let original = ["gate_up_proj", "gate_up_proj_blocks"]
+        .iter()
+        .map(|name| experts.join(name))
+        .find(|key| w.has(key));
+    if let Some(original) = original {
+        return Err(Error::MissingWeight {
+            dir: w.dir.to_path_buf(),
+            key: format!(
+                "{} (the files hold the original checkpoint's `{original}`: convert the \
+                 model with mlx_lm.convert, which splits it)",
+                experts.join("gate_proj").join("weight")
+            ),
+        });
+    }
+    let (e, inter) = (moe.num_experts, moe.moe_intermediate_size);
+    let bias = |name: &str, out: usize| w.array(&experts.join(name).join("bias"), &[e, out]);
+    Ok([
+        bias("gate_proj", inter)?,
+        bias("up_proj", inter)?,
+        bias("down_proj", hidden)?,
+    ])
+}
+
+/// gpt_oss's gated activation of its experts: the gate clamped above at
+/// 7 and the linear part within ±7, `gate · σ(1.702 · gate) · (up + 1)`,
+/// each step in the inputs' dtype as mlx_lm's `swiglu` computes it.
+pub(super) fn clamped_swiglu(gate: &Array, up: &Array) -> Result<Array> {
+    let scalar = |v: f32, dtype: Dtype| Array::from_f32(v).as_dtype(dtype);
+    let limit = scalar(7.0, gate.dtype())?;
+    let gate = minimum(gate, &limit)?;
+    let up = minimum(
+        maximum(up, scalar(-7.0, up.dtype())?)?,
+        scalar(7.0, up.dtype())?,
+    )?;
+    let glu = gate.multiply(sigmoid(gate.multiply(scalar(1.702, gate.dtype())?)?)?)?;
+    Ok(glu.multiply(up.add(scalar(1.0, up.dtype())?)?)?)
+}
