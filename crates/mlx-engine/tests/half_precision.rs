@@ -1,4 +1,4 @@
-//! The llama family and Gemma 3 in the dtypes their published MLX
+//! The llama family (gpt_oss included) and Gemma 3 in the dtypes their published MLX
 //! checkpoints have — bfloat16 and float16, dense and 4-bit — against
 //! mlx_lm 0.32.2 on checkpoints written by mlx_lm's own `convert` from a
 //! tiny random f32 model. Under `QuantizedWeights::Keep` every logit at
@@ -175,6 +175,17 @@ fn mixtral_in_half_precision_equals_mlx_lm_under_keep() {
     );
 }
 
+/// gpt_oss as mlx_lm's `convert` quantizes it: its routers at 8 bits (the
+/// family's `quant_predicate`), the rest at 4.
+#[test]
+fn gpt_oss_in_half_precision_equals_mlx_lm_under_keep() {
+    family_matches_mlx_lm(
+        "gpt_oss_in_half_precision_equals_mlx_lm_under_keep",
+        "gpt_oss",
+        Some(QUANTIZED_EXPERTS),
+    );
+}
+
 /// 4-bit experts: mlx_lm's reference runs on MLX 0.32.4, whose
 /// `gather_qmm` the engine's MLX 0.32.2 lacks (an argument it added); the
 /// two versions' products were measured equal, bit for bit, on these
@@ -289,5 +300,13 @@ fn dense_half_precision_mixtral_runs_and_answers_as_mlx_lm() {
     dense_moe_answers_as_mlx_lm(
         "dense_half_precision_mixtral_runs_and_answers_as_mlx_lm",
         "mixtral",
+    );
+}
+
+#[test]
+fn dense_half_precision_gpt_oss_runs_and_answers_as_mlx_lm() {
+    dense_moe_answers_as_mlx_lm(
+        "dense_half_precision_gpt_oss_runs_and_answers_as_mlx_lm",
+        "gpt_oss",
     );
 }

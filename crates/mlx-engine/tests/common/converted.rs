@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use test_support::tiny_llama::TinyLlama;
 
 use super::tiny_gemma::{write_gemma3, Layout};
+use super::tiny_gpt_oss::write_gpt_oss;
 use super::tiny_moe::{write_mixtral, write_qwen3_moe};
 use super::VOCAB;
 
@@ -16,13 +17,14 @@ use super::VOCAB;
 pub type Quantize = Option<(u32, u32)>;
 
 /// The tiny f32 model of `family` (llama, qwen2, qwen3, qwen3_moe,
-/// mixtral, gemma3), with a tokenizer transformers can load (`convert`
+/// mixtral, gpt_oss, gemma3), with a tokenizer transformers can load (`convert`
 /// loads and saves it).
 pub fn write_f32(family: &str, dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     match family {
         "qwen3_moe" => write_qwen3_moe(dir),
         "mixtral" => write_mixtral(dir),
+        "gpt_oss" => write_gpt_oss(dir),
         "gemma3" => write_gemma3(dir, Layout::Text),
         "llama" | "qwen2" | "qwen3" => {
             let model_type = match family {

@@ -89,6 +89,7 @@ fn run_script_on(
         // The child's environment only: the scripts put MLX 0.32.4 first.
         command.env("MLX_LOWMEM_NEWER_MLX", "1");
     }
+    with_the_engines_blas(&mut command);
     let out = command.output().unwrap();
     assert!(
         out.status.success(),
@@ -97,6 +98,32 @@ fn run_script_on(
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Runs the reference's matrix products on the BLAS the engine's MLX runs
+/// them on. The MLX wheel in the venv multiplies with the reference BLAS it
+/// bundles; where the engine's MLX was built against OpenBLAS
+/// (`mlx_sys::BLAS`), the two sum f32 products in other orders, and a sum
+/// near the midpoint of two half-precision numbers rounds to either (seen:
+/// one element of a float16 gpt_oss expert's product, a logit 1 ulp
+/// apart). Preloading the engine's OpenBLAS into the reference gives its
+/// products the same bits. A no-op elsewhere (macOS: Accelerate on both
+/// sides; an external MLX).
+fn with_the_engines_blas(command: &mut Command) {
+    if !cfg!(target_os = "linux") || mlx_sys::BLAS != "openblas" {
+        return;
+    }
+    // mlx-sys's MLX reaches OpenBLAS through the wheel's BLAS file name.
+    let libs = Path::new(mlx_sys::LIB_DIR).join("../../mlx_cpu.libs");
+    let blas = std::fs::read_dir(&libs).ok().and_then(|entries| {
+        entries.flatten().map(|e| e.path()).find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("libblas"))
+        })
+    });
+    if let Some(blas) = blas.and_then(|b| std::fs::canonicalize(b).ok()) {
+        command.env("LD_PRELOAD", blas);
+    }
 }
 
 /// A prefix of 40 tokens and rows of 1, 6 and 30 after it (of the word
