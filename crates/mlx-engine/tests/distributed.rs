@@ -541,6 +541,25 @@ fn gemma4_moe_pipelines_answer_as_one_process_bit_for_bit() {
     );
 }
 
+/// gpt_oss (sliding and full layers, sinks, YaRN positions, biased
+/// experts), 4-bit with bfloat16 scales and 8-bit routers: pipelines on 2
+/// and 3 ranks answer as one process, cut between layers of either kind.
+#[test]
+fn gpt_oss_pipelines_answer_as_one_process_bit_for_bit() {
+    use common::tiny_gpt_oss::write_gpt_oss_in;
+    let dir = tempfile::tempdir().unwrap();
+    let conversations = conversation_file(dir.path(), &common::conversations());
+    let model = dir.path().join("gpt-oss");
+    std::fs::create_dir_all(&model).unwrap();
+    write_gpt_oss_in(&model, true, mlx_rs::Dtype::Bfloat16);
+    pipelines_answer_as_one_process(
+        "gpt_oss 4-bit, bfloat16 scales",
+        &model,
+        &conversations,
+        &common::system().content,
+    );
+}
+
 /// A copy of the model folder `from` in `to`.
 fn copy_folder(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();

@@ -63,14 +63,19 @@ impl QuantizationConfig {
     /// Reads a `quantization` entry itself.
     pub fn from_entry(q: &serde_json::Value) -> Result<QuantizationConfig> {
         let bad = |m: String| Error::Quantization(m);
-        match q.get("mode").and_then(|m| m.as_str()) {
-            None | Some("affine") => {}
-            Some(mode) => {
-                return Err(bad(format!(
-                    "mode {mode:?} is not supported; only \"affine\" is"
-                )))
-            }
-        }
+        // A module's own entry may name its own mode (gpt-oss's MXFP4
+        // experts beside 8-bit affine layers): read as affine, its packed
+        // bits would be misread, not refused.
+        let affine = |entry: &serde_json::Value, of: &str| match entry
+            .get("mode")
+            .and_then(|m| m.as_str())
+        {
+            None | Some("affine") => Ok(()),
+            Some(mode) => Err(bad(format!(
+                "{of}: mode {mode:?} is not supported; only \"affine\" is"
+            ))),
+        };
+        affine(q, "the default")?;
         let mut modules = HashMap::new();
         for (key, value) in q.as_object().into_iter().flatten() {
             match value {
@@ -78,6 +83,7 @@ impl QuantizationConfig {
                     modules.insert(key.clone(), None);
                 }
                 serde_json::Value::Object(_) => {
+                    affine(value, key)?;
                     let own = Quantization::from_json(value).ok_or_else(|| {
                         bad(format!(
                             "{key:?} needs a positive group_size and bits from 1 to 8"
@@ -152,6 +158,8 @@ mod tests {
     fn unusable_entries_are_errors() {
         for bad in [
             r#"{"quantization": {"group_size": 64, "bits": 4, "mode": "mxfp4"}}"#,
+            r#"{"quantization": {"group_size": 64, "bits": 8,
+                "e": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}}"#,
             r#"{"quantization": {"group_size": 64, "bits": 4, "m": {"bits": 4}}}"#,
             r#"{"quantization": {"group_size": 0, "bits": 4}}"#,
             r#"{"quantization": {"group_size": 64, "bits": 99}}"#,
