@@ -397,10 +397,7 @@ impl LoraFuser for QuantizedLoraFuser {
         mut weights: Vec<(String, Array)>,
         sources: &[&BlockLoraSource],
     ) -> Result<Vec<(String, Array)>> {
-        let q = Quantization {
-            group_size: self.group_size,
-            bits: self.bits,
-        };
+        let q = Quantization::affine(self.group_size, self.bits);
         each_pair(block, sources, |p| p.fuse_quantized(&mut weights, q))?;
         Ok(weights)
     }

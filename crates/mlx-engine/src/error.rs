@@ -38,6 +38,17 @@ pub enum Error {
     /// gives no group size and bits for it.
     #[error("{path}: {module} is quantized in the weights but `quantization` does not cover it")]
     UncoveredQuantization { path: PathBuf, module: String },
+    /// A module quantized in a mode the engine reads for a mixture of
+    /// experts' experts alone (MXFP4 outside the experts).
+    #[error(
+        "{path}: {module} is quantized as {mode}, which the engine reads for a mixture of \
+         experts' experts alone; quantize it affine (mlx_lm.convert -q)"
+    )]
+    UnsupportedQuantization {
+        path: PathBuf,
+        module: String,
+        mode: &'static str,
+    },
     /// A weights file is invalid.
     #[error(transparent)]
     Safetensors(#[from] st_mmap::Error),

@@ -11,7 +11,8 @@
 //! experts beside the dense MLP, values equal to keys on full layers) the
 //! same way, f32 and 4-bit with 8-bit routers; and gpt_oss (sliding and
 //! full layers, attention sinks, YaRN positions, biased router and
-//! experts behind a clamped SwiGLU), f32 and 4-bit with 8-bit routers.
+//! experts behind a clamped SwiGLU), f32 and 4-bit with 8-bit routers, and
+//! with MXFP4 experts as its published MLX checkpoints hold them.
 
 mod common;
 
@@ -22,7 +23,9 @@ use common::logits::{
     run_parity_script, run_parity_script_newer_mlx, write_request,
 };
 use common::tiny_gemma::write_gemma4_moe;
-use common::tiny_gpt_oss::{write_gpt_oss, write_gpt_oss_quantized};
+use common::tiny_gpt_oss::{
+    write_gpt_oss, write_gpt_oss_mxfp4, write_gpt_oss_packed, write_gpt_oss_quantized, Packing,
+};
 use common::tiny_moe::{write_mixtral, write_qwen3_moe, write_qwen3_moe_quantized};
 use mlx_engine::{
     EngineConfig, GenerateOptions, KvCache, MemoryMode, Message, MlxEngine, Model,
@@ -170,6 +173,68 @@ fn quantized_gpt_oss_matches_mlx_lm_at_every_position() {
     );
 }
 
+/// gpt_oss as its published MLX checkpoints hold it: MXFP4 experts (their
+/// own mode in per-module entries) beside affine layers, multiplied packed
+/// by MLX's `gather_qmm` in that mode or unpacked to f32.
+#[test]
+fn mxfp4_gpt_oss_matches_mlx_lm_at_every_position() {
+    let test = "mxfp4_gpt_oss_matches_mlx_lm_at_every_position";
+    let Some(reference) = Reference::find(test, true) else {
+        return;
+    };
+    positions_match(
+        &reference,
+        write_gpt_oss_mxfp4,
+        &[
+            QuantizedWeights::Keep,
+            QuantizedWeights::DequantizeOnUse,
+            QuantizedWeights::DequantizeF32,
+        ],
+        QUANTIZED_TOLERANCE,
+    );
+}
+
+/// The published checkpoints' dtype: bfloat16 layers and affine scales
+/// beside MXFP4 experts, computed in bfloat16 under `Keep` as mlx_lm
+/// computes it — every logit the same bfloat16 number.
+#[test]
+fn mxfp4_gpt_oss_in_bfloat16_equals_mlx_lm_under_keep() {
+    let test = "mxfp4_gpt_oss_in_bfloat16_equals_mlx_lm_under_keep";
+    let Some(reference) = Reference::find(test, true) else {
+        return;
+    };
+    positions_match(
+        &reference,
+        |dir| write_gpt_oss_packed(dir, Packing::Mxfp4Experts, mlx_rs::Dtype::Bfloat16),
+        &[QuantizedWeights::Keep],
+        0.0,
+    );
+}
+
+/// MXFP4 is read for a mixture of experts' experts alone: a layer of
+/// another kind quantized so is a typed error naming the module and the
+/// mode, not bits read as affine.
+#[test]
+fn an_mxfp4_layer_outside_the_experts_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    write_gpt_oss_mxfp4(dir);
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["quantization"]["model.layers.1.self_attn.o_proj"] =
+        json!({"group_size": 32, "bits": 4, "mode": "mxfp4"});
+    std::fs::write(&path, config.to_string()).unwrap();
+    let Err(err) = Model::loader(dir).load() else {
+        panic!("an MXFP4 attention projection is refused")
+    };
+    let message = err.to_string();
+    assert!(
+        message.contains("model.layers.1.self_attn.o_proj") && message.contains("mxfp4"),
+        "{message}"
+    );
+}
+
 /// The model `write` makes, loaded with each of `handlings`, gives
 /// mlx_lm's logits within `tolerance` at every position.
 fn positions_match(
@@ -245,6 +310,17 @@ fn the_engine_answers_gpt_oss_as_mlx_lm() {
         return;
     };
     answers_match(&reference, write_gpt_oss);
+}
+
+/// MXFP4 experts in every memory mode: read from the files as routed,
+/// their scales bytes.
+#[test]
+fn the_engine_answers_mxfp4_gpt_oss_as_mlx_lm() {
+    let test = "the_engine_answers_mxfp4_gpt_oss_as_mlx_lm";
+    let Some(reference) = Reference::find(test, true) else {
+        return;
+    };
+    answers_match(&reference, write_gpt_oss_mxfp4);
 }
 
 /// The quantized model, as the engine holds it by default on this

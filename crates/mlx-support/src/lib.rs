@@ -45,6 +45,7 @@ mod error;
 mod lora;
 mod memory;
 mod quant;
+pub mod quantized;
 
 pub use blas::{
     best_coretype, blas_threads, gemm_gflops, kernels_in_use, reexec_with_best_kernels,
@@ -62,7 +63,7 @@ pub use lora::{fuse_lora, fused_dense, LinearWeights, Lora, LoraLayout};
 pub use memory::{
     evict_from_page_cache, memory_limit, release_free_memory, retain_freed_memory, ProcessMemory,
 };
-pub use quant::{Quantization, QuantizationConfig};
+pub use quant::{QuantMode, Quantization, QuantizationConfig};
 
 /// Compiles the README's example with the doc-tests, so that it stays true.
 #[cfg(doctest)]

@@ -101,6 +101,14 @@ pub fn fuse_lora(
         (Some(q), Some(scales)) => Some((q, scales)),
         _ => None,
     };
+    if let Some((q, _)) = packed.filter(|(q, _)| q.mode != crate::QuantMode::Affine) {
+        // mlx_lm fuses into affine weights alone, and re-quantizing a fused
+        // weight in another mode is not what it writes.
+        return Err(Error::Quantization(format!(
+            "a LoRA adapter cannot be fused into {}-quantized weights",
+            q.mode.name()
+        )));
+    }
     let dense = match packed {
         Some((q, scales)) => dequantize(
             &weights.weight,
@@ -218,10 +226,7 @@ mod tests {
     #[test]
     fn quantized_weights_are_requantized_with_their_own_settings() {
         let w = values(&[8, 64], 4);
-        let q = Quantization {
-            group_size: 32,
-            bits: 8,
-        };
+        let q = Quantization::affine(32, 8);
         let (qw, qs, qb) = quantize(&w, q.group_size, q.bits).unwrap();
         let stored = LinearWeights {
             weight: qw,

@@ -4,21 +4,94 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 
-/// MLX affine quantization of one weight: `group_size` elements share a
-/// scale and a bias; each element takes `bits` bits.
+/// MLX quantization of one weight: `group_size` elements share a scale
+/// (and, affine, a bias); each element takes `bits` bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Quantization {
     /// Elements per group (32, 64 or 128 in practice).
     pub group_size: i32,
     /// Bits per element (2, 3, 4, 5, 6 or 8).
     pub bits: i32,
+    /// How a group's elements map to numbers.
+    pub mode: QuantMode,
+}
+
+/// MLX's quantization modes the toolkit reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QuantMode {
+    /// `scale · q + bias` per group (`scales` and `biases` tensors).
+    #[default]
+    Affine,
+    /// OCP's MXFP4: 4-bit floats (E2M1) in groups of 32 sharing a
+    /// power-of-two scale (E8M0 bytes in `scales`); no biases. gpt-oss's
+    /// experts as published.
+    Mxfp4,
+}
+
+impl QuantMode {
+    /// The name MLX's operations and mlx_lm's `config.json` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMode::Affine => "affine",
+            QuantMode::Mxfp4 => "mxfp4",
+        }
+    }
+
+    /// Whether the mode has a bias per group beside each scale.
+    pub fn has_biases(self) -> bool {
+        self == QuantMode::Affine
+    }
 }
 
 impl Quantization {
-    fn from_json(q: &serde_json::Value) -> Option<Quantization> {
-        let group_size = i32::try_from(q.get("group_size")?.as_i64()?).ok()?;
-        let bits = i32::try_from(q.get("bits")?.as_i64()?).ok()?;
-        (group_size > 0 && (1..=8).contains(&bits)).then_some(Quantization { group_size, bits })
+    /// Affine quantization in groups of `group_size`, `bits` bits each.
+    pub const fn affine(group_size: i32, bits: i32) -> Quantization {
+        Quantization {
+            group_size,
+            bits,
+            mode: QuantMode::Affine,
+        }
+    }
+
+    /// An entry of mlx_lm's `quantization` (`{group_size, bits, mode}`;
+    /// no mode: affine, as mlx's `to_quantized` defaults); `of` names it in
+    /// errors.
+    fn from_json(q: &serde_json::Value, of: &str) -> Result<Quantization> {
+        let bad = |m: String| Error::Quantization(format!("{of}: {m}"));
+        let number = |name: &str| {
+            q.get(name)
+                .and_then(|v| v.as_i64())
+                .and_then(|v| i32::try_from(v).ok())
+        };
+        let (Some(group_size), Some(bits)) = (number("group_size"), number("bits")) else {
+            return Err(bad(
+                "needs a positive group_size and bits from 1 to 8".into()
+            ));
+        };
+        if group_size <= 0 || !(1..=8).contains(&bits) {
+            return Err(bad(
+                "needs a positive group_size and bits from 1 to 8".into()
+            ));
+        }
+        let mode = match q.get("mode").and_then(|m| m.as_str()) {
+            None | Some("affine") => QuantMode::Affine,
+            Some("mxfp4") if (group_size, bits) == (32, 4) => QuantMode::Mxfp4,
+            Some("mxfp4") => {
+                return Err(bad(format!(
+                    "mxfp4 takes groups of 32 and 4 bits, not {group_size} and {bits}"
+                )))
+            }
+            Some(mode) => {
+                return Err(bad(format!(
+                    "mode {mode:?} is not supported; \"affine\" and \"mxfp4\" are"
+                )))
+            }
+        };
+        Ok(Quantization {
+            group_size,
+            bits,
+            mode,
+        })
     }
 }
 
@@ -51,8 +124,9 @@ impl QuantizationConfig {
     /// quantized).
     ///
     /// # Errors
-    /// [`Error::Quantization`] for a mode other than `affine`, or a
-    /// module entry without a usable group size and bit width.
+    /// [`Error::Quantization`] for a mode other than `affine` and `mxfp4`
+    /// (or an mxfp4 entry not in groups of 32 at 4 bits), or an entry
+    /// without a usable group size and bit width.
     pub fn from_model_config(config: &serde_json::Value) -> Result<QuantizationConfig> {
         match config.get("quantization") {
             None | Some(serde_json::Value::Null) => Ok(QuantizationConfig::none()),
@@ -62,20 +136,6 @@ impl QuantizationConfig {
 
     /// Reads a `quantization` entry itself.
     pub fn from_entry(q: &serde_json::Value) -> Result<QuantizationConfig> {
-        let bad = |m: String| Error::Quantization(m);
-        // A module's own entry may name its own mode (gpt-oss's MXFP4
-        // experts beside 8-bit affine layers): read as affine, its packed
-        // bits would be misread, not refused.
-        let affine = |entry: &serde_json::Value, of: &str| match entry
-            .get("mode")
-            .and_then(|m| m.as_str())
-        {
-            None | Some("affine") => Ok(()),
-            Some(mode) => Err(bad(format!(
-                "{of}: mode {mode:?} is not supported; only \"affine\" is"
-            ))),
-        };
-        affine(q, "the default")?;
         let mut modules = HashMap::new();
         for (key, value) in q.as_object().into_iter().flatten() {
             match value {
@@ -83,22 +143,14 @@ impl QuantizationConfig {
                     modules.insert(key.clone(), None);
                 }
                 serde_json::Value::Object(_) => {
-                    affine(value, key)?;
-                    let own = Quantization::from_json(value).ok_or_else(|| {
-                        bad(format!(
-                            "{key:?} needs a positive group_size and bits from 1 to 8"
-                        ))
-                    })?;
-                    modules.insert(key.clone(), Some(own));
+                    modules.insert(key.clone(), Some(Quantization::from_json(value, key)?));
                 }
                 _ => {}
             }
         }
         let default = match (q.get("group_size"), q.get("bits")) {
             (None, None) => None,
-            _ => Some(Quantization::from_json(q).ok_or_else(|| {
-                bad("the default needs a positive group_size and bits from 1 to 8".into())
-            })?),
+            _ => Some(Quantization::from_json(q, "the default")?),
         };
         Ok(QuantizationConfig { default, modules })
     }
@@ -135,18 +187,9 @@ mod tests {
                 "a.b": {"group_size": 32, "bits": 8}, "c": false, "d": true}}"#,
         )
         .unwrap();
-        let q4 = Quantization {
-            group_size: 64,
-            bits: 4,
-        };
+        let q4 = Quantization::affine(64, 4);
         assert_eq!(q.of("x"), Some(q4));
-        assert_eq!(
-            q.of("a.b"),
-            Some(Quantization {
-                group_size: 32,
-                bits: 8
-            })
-        );
+        assert_eq!(q.of("a.b"), Some(Quantization::affine(32, 8)));
         assert_eq!(q.of("c"), None);
         assert_eq!(q.of("d"), Some(q4), "true keeps the default");
         assert!(q.is_quantized());
@@ -154,12 +197,33 @@ mod tests {
         assert!(!parse("{}").unwrap().is_quantized());
     }
 
+    /// gpt-oss's published layout: MXFP4 experts beside affine layers; a
+    /// module entry without a mode is affine whatever the default's.
+    #[test]
+    fn modules_keep_their_own_mode() {
+        let q = parse(
+            r#"{"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4",
+                "r": {"group_size": 64, "bits": 8},
+                "e": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}}"#,
+        )
+        .unwrap();
+        let mxfp4 = Quantization {
+            group_size: 32,
+            bits: 4,
+            mode: QuantMode::Mxfp4,
+        };
+        assert_eq!(q.of("x"), Some(mxfp4));
+        assert_eq!(q.of("e"), Some(mxfp4));
+        assert_eq!(q.of("r"), Some(Quantization::affine(64, 8)));
+    }
+
     #[test]
     fn unusable_entries_are_errors() {
         for bad in [
             r#"{"quantization": {"group_size": 64, "bits": 4, "mode": "mxfp4"}}"#,
+            r#"{"quantization": {"group_size": 32, "bits": 4, "mode": "nvfp4"}}"#,
             r#"{"quantization": {"group_size": 64, "bits": 8,
-                "e": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}}"#,
+                "e": {"group_size": 32, "bits": 4, "mode": "mxfp8"}}}"#,
             r#"{"quantization": {"group_size": 64, "bits": 4, "m": {"bits": 4}}}"#,
             r#"{"quantization": {"group_size": 0, "bits": 4}}"#,
             r#"{"quantization": {"group_size": 64, "bits": 99}}"#,

@@ -362,10 +362,7 @@ mod tests {
     const EXPERTS: i32 = 16;
     const HIDDEN: i32 = 64;
     const INTER: i32 = 32;
-    const Q: Quantization = Quantization {
-        group_size: 32,
-        bits: 4,
-    };
+    const Q: Quantization = Quantization::affine(32, 4);
 
     fn normal(shape: &[i32], seed: u64) -> Array {
         random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap()

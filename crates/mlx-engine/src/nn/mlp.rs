@@ -95,15 +95,7 @@ mod tests {
         let key = random::key(seed).unwrap();
         let w = random::normal::<f32>(&[rows, cols], None, None, &key).unwrap();
         let (weight, scales, biases) = quantize(&w, 32, 4).unwrap();
-        crate::weights::linear::packed_on_use(
-            weight,
-            scales,
-            biases,
-            Quantization {
-                group_size: 32,
-                bits: 4,
-            },
-        )
+        crate::weights::linear::packed_on_use(weight, scales, biases, Quantization::affine(32, 4))
     }
 
     /// Sliced or whole, the block gives the same values: only the down

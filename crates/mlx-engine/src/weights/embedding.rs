@@ -102,10 +102,7 @@ mod tests {
         let key = mlx_rs::random::key(7).unwrap();
         let table = mlx_rs::random::normal::<f32>(&[10, 128], None, None, &key).unwrap();
         let (weight, scales, biases) = mlx_rs::ops::quantize(&table, 32, 4).unwrap();
-        let q = Quantization {
-            group_size: 32,
-            bits: 4,
-        };
+        let q = Quantization::affine(32, 4);
         let head = crate::weights::linear::packed_on_use(
             weight.clone(),
             scales.clone(),

@@ -113,9 +113,9 @@ fn holds_in_panels(outputs: usize, dtype: mlx_rs::Dtype) -> bool {
 }
 
 /// Whether the packed kernel multiplies weights quantized as `q`: it reads
-/// MLX's 4-bit packing only.
+/// MLX's 4-bit affine packing only.
 pub(crate) fn multiplies_packed(q: mlx_support::Quantization) -> bool {
-    q.bits == 4
+    q.bits == 4 && q.mode == mlx_support::QuantMode::Affine
 }
 
 /// The project's CPU kernels (`cpu-kernels`) as a loaded model uses them:

@@ -294,10 +294,7 @@ mod tests {
     #[test]
     fn every_holding_gives_the_same_products() {
         let (out, inputs) = (64, 96);
-        let q = Quantization {
-            group_size: 32,
-            bits: 4,
-        };
+        let q = Quantization::affine(32, 4);
         let (weight, scales, biases) = quantize(normal(&[out, inputs], 1), 32, 4).unwrap();
         let dense = dequantize_f32(&weight, &scales, &biases, q).unwrap();
         let bias = normal(&[out], 2);

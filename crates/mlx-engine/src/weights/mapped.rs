@@ -380,10 +380,7 @@ mod tests {
         )
         .unwrap();
         let set = Arc::new(SafetensorsSet::open_dir(dir.path()).unwrap());
-        let q = Quantization {
-            group_size: 64,
-            bits: 4,
-        };
+        let q = Quantization::affine(64, 4);
         let keys = ["t.weight", "t.scales", "t.biases"].map(String::from);
         let mode = QuantizedWeights::DequantizeOnUse;
         let mapped = MappedTable::packed(set, keys, q, vocab, dim, (mode, None), true);

@@ -180,7 +180,7 @@ impl Weights<'_> {
         rows: usize,
         cols: usize,
     ) -> Result<Option<(Array, Packed)>> {
-        let Some(q) = self.packing(module, rows, cols)? else {
+        let Some(q) = self.affine_packing(module, rows, cols)? else {
             return Ok(None);
         };
         let (gs, bits) = (q.group_size as usize, q.bits as usize);
@@ -230,6 +230,28 @@ impl Weights<'_> {
             });
         }
         Ok(Some(q))
+    }
+
+    /// [`packing`](Self::packing), for modules read as affine alone (every
+    /// module but a mixture of experts' experts): another mode is a typed
+    /// error naming the module.
+    fn affine_packing(
+        &self,
+        module: &KeyPath,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Quantization>> {
+        let q = self.packing(module, rows, cols)?;
+        match q {
+            Some(q) if q.mode != mlx_support::QuantMode::Affine => {
+                Err(Error::UnsupportedQuantization {
+                    path: self.dir.join("config.json"),
+                    module: module.to_string(),
+                    mode: q.mode.name(),
+                })
+            }
+            q => Ok(q),
+        }
     }
 
     /// `module`'s `weight` (and `bias`) of a layer from `inputs` to
@@ -355,7 +377,7 @@ impl Weights<'_> {
         as_head: bool,
     ) -> Result<Embedding> {
         let weight = module.join("weight").to_string();
-        let Some(q) = self.packing(module, vocab, dim)? else {
+        let Some(q) = self.affine_packing(module, vocab, dim)? else {
             self.view(&weight, &[vocab, dim])?;
             return Ok(Box::new(MappedTable::dense(
                 self.set.clone(),

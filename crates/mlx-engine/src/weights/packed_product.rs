@@ -179,10 +179,7 @@ mod tests {
         let key = random::key(seed).unwrap();
         let w = random::normal::<f32>(&[outputs, inputs], None, None, &key).unwrap();
         let (weight, scales, biases) = mlx_rs::ops::quantize(&w, gs, 4).unwrap();
-        let q = Quantization {
-            group_size: gs,
-            bits: 4,
-        };
+        let q = Quantization::affine(gs, 4);
         (weight, scales, biases, q)
     }
 

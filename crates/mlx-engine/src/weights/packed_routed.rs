@@ -104,10 +104,7 @@ mod tests {
     use crate::test_support::max_abs_diff;
     use crate::weights::unpack::dequantize_f32;
 
-    const Q: Quantization = Quantization {
-        group_size: 32,
-        bits: 4,
-    };
+    const Q: Quantization = Quantization::affine(32, 4);
 
     fn normal(shape: &[i32], seed: u64) -> Array {
         random::normal::<f32>(shape, None, None, &random::key(seed).unwrap()).unwrap()

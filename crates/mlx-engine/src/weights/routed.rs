@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use mlx_rs::ops::{gather_mm, gather_qmm};
 use mlx_rs::{Array, Dtype};
-use mlx_support::{array_written, Quantization};
+use mlx_support::{array_written, quantized, QuantMode, Quantization};
 use st_mmap::SafetensorsSet;
 
 use crate::error::{Error, Result};
@@ -113,11 +113,12 @@ pub(crate) enum ExpertMatrices {
     /// and rounds its outputs).
     Widened { weight: Array, stored: Dtype },
     /// Packed as stored, `(n, out, in · bits / 32)`, multiplied packed by
-    /// `gather_qmm` (mlx_lm's `QuantizedSwitchLinear`).
+    /// `gather_qmm` (mlx_lm's `QuantizedSwitchLinear`); biases where the
+    /// mode has them.
     Packed {
         weight: Array,
         scales: Array,
-        biases: Array,
+        biases: Option<Array>,
         q: Quantization,
     },
     /// Packed as stored, multiplied packed by the project's kernel
@@ -149,9 +150,9 @@ impl ExpertMatrices {
             ExpertMatrices::Packed {
                 weight,
                 scales,
-                biases,
+                biases: Some(biases),
                 q,
-            } => gather_qmm(
+            } if q.mode == QuantMode::Affine => gather_qmm(
                 x,
                 weight,
                 scales,
@@ -163,6 +164,13 @@ impl ExpertMatrices {
                 q.bits,
                 sorted,
             )?,
+            // Another mode (MXFP4): mlx-rs would call it affine.
+            ExpertMatrices::Packed {
+                weight,
+                scales,
+                biases,
+                q,
+            } => quantized::gather_qmm(x, weight, scales, biases.as_ref(), experts, *q, sorted)?,
             ExpertMatrices::PackedOnHost {
                 weight,
                 scales,
@@ -184,7 +192,9 @@ impl ExpertMatrices {
                 )?;
                 match product {
                     Some(y) => y,
-                    None => unpacked(weight, scales, biases, *q)?.product(x, experts, sorted)?,
+                    None => {
+                        unpacked(weight, scales, Some(biases), *q)?.product(x, experts, sorted)?
+                    }
                 }
             }
         })
@@ -196,12 +206,19 @@ impl ExpertMatrices {
 fn unpacked(
     weight: &Array,
     scales: &Array,
-    biases: &Array,
+    biases: Option<&Array>,
     q: Quantization,
 ) -> Result<ExpertMatrices> {
     let (n, out) = (weight.dim(0), weight.dim(1));
     let flat = |a: &Array| a.reshape(&[n * out, a.dim(2)]);
-    let dense = dequantize_f32(&flat(weight)?, &flat(scales)?, &flat(biases)?, q)?;
+    let dense = match biases {
+        Some(biases) if q.mode == QuantMode::Affine => {
+            dequantize_f32(&flat(weight)?, &flat(scales)?, &flat(biases)?, q)?
+        }
+        // Another mode (MXFP4): MLX's own unpacking, in f32.
+        _ => quantized::dequantize(&flat(weight)?, &flat(scales)?, None, q)?
+            .as_dtype(Dtype::Float32)?,
+    };
     let dense = dense.reshape(&[n, out, -1])?;
     Ok(ExpertMatrices::Dense(dense.swap_axes(-1, -2)?))
 }
@@ -296,8 +313,9 @@ pub(crate) struct ChosenSource {
     /// kernel, else unpacked to f32.
     taken_bytes: usize,
     weight: StackPart,
-    /// The scales, biases and quantization of a packed stack.
-    packing: Option<(StackPart, StackPart, Quantization)>,
+    /// The scales, biases (where the mode has them) and quantization of a
+    /// packed stack.
+    packing: Option<(StackPart, Option<StackPart>, Quantization)>,
     /// Unpack packed experts to f32 (else `gather_qmm` multiplies them).
     unpack: bool,
     /// With `unpack`: the kernels that multiply them packed where they
@@ -332,7 +350,7 @@ impl ChosenSource {
         Box::new(ChosenSource {
             taken_bytes: weight.dim(1) as usize * inputs * 4,
             weight: StackPart::Memory(weight),
-            packing: packing.map(|(s, b, q)| (StackPart::Memory(s), StackPart::Memory(b), q)),
+            packing: packing.map(|(s, b, q)| (StackPart::Memory(s), Some(StackPart::Memory(b)), q)),
             unpack,
             on_host,
             widen: false,
@@ -353,8 +371,13 @@ impl ChosenSource {
             }
             return Ok(ExpertMatrices::Dense(weight.swap_axes(-1, -2)?));
         };
-        let (scales, biases) = (scales.take(experts)?, biases.take(experts)?);
-        if let Some(kernels) = &self.on_host {
+        let scales = scales.take(experts)?;
+        let biases = match biases {
+            Some(biases) => Some(biases.take(experts)?),
+            None => None,
+        };
+        if let (Some(kernels), Some(biases)) = (&self.on_host, &biases) {
+            let biases = biases.clone();
             return Ok(ExpertMatrices::PackedOnHost {
                 weight,
                 scales,
@@ -371,7 +394,7 @@ impl ChosenSource {
                 q: *q,
             });
         }
-        unpacked(&weight, &scales, &biases, *q)
+        unpacked(&weight, &scales, biases.as_ref(), *q)
     }
 }
 
@@ -451,7 +474,12 @@ impl Weights<'_> {
         let packing = match packing {
             Some(q) => {
                 let groups = inputs / q.group_size as usize;
-                Some((part("scales", groups)?, part("biases", groups)?, q))
+                let biases = if q.mode.has_biases() {
+                    Some(part("biases", groups)?)
+                } else {
+                    None
+                };
+                Some((part("scales", groups)?, biases, q))
             }
             None => None,
         };

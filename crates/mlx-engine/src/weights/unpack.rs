@@ -142,7 +142,7 @@ mod tests {
                 let key = random::key(bits as u64 * 1000 + rows as u64).unwrap();
                 let w = random::normal::<f32>(&[rows, cols], None, None, &key).unwrap();
                 let (packed, scales, biases) = quantize(&w, group_size, bits).unwrap();
-                let q = Quantization { group_size, bits };
+                let q = Quantization::affine(group_size, bits);
                 let ours = dequantize_f32(&packed, &scales, &biases, q).unwrap();
                 let mlx = dequantize(&packed, &scales, &biases, group_size, bits).unwrap();
                 assert_eq!(ours.shape(), &[rows, cols]);

@@ -38,9 +38,36 @@ pub fn write_gpt_oss_quantized(dir: &Path) {
     write_gpt_oss_in(dir, true, Dtype::Float32);
 }
 
+/// How a test's gpt_oss is quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Packing {
+    Dense,
+    /// Affine 4-bit in groups of 32, routers 8-bit in groups of 64.
+    Affine,
+    /// As the published gpt-oss MLX checkpoints: the experts MXFP4 (per-module
+    /// entries with their mode), the rest as [`Packing::Affine`].
+    Mxfp4Experts,
+}
+
+/// [`write_gpt_oss`] with MXFP4 experts (see [`Packing::Mxfp4Experts`]).
+pub fn write_gpt_oss_mxfp4(dir: &Path) {
+    write_gpt_oss_packed(dir, Packing::Mxfp4Experts, Dtype::Float32);
+}
+
 /// [`write_gpt_oss`], quantized or not, with every floating-point tensor
 /// in `dtype` (scales included).
 pub fn write_gpt_oss_in(dir: &Path, quantized: bool, dtype: Dtype) {
+    let packing = if quantized {
+        Packing::Affine
+    } else {
+        Packing::Dense
+    };
+    write_gpt_oss_packed(dir, packing, dtype);
+}
+
+/// [`write_gpt_oss`] packed as `packing` says, every floating-point
+/// tensor in `dtype`.
+pub fn write_gpt_oss_packed(dir: &Path, packing: Packing, dtype: Dtype) {
     let (hidden, heads, kv, hd, inter) = (64, 4, 2, 16, 32);
     let mut config = json!({
         "model_type": "gpt_oss", "hidden_size": hidden, "num_hidden_layers": LAYERS,
@@ -96,15 +123,20 @@ pub fn write_gpt_oss_in(dir: &Path, quantized: bool, dtype: Dtype) {
         .into_iter()
         .map(|(k, v)| (k, v.as_dtype(dtype).unwrap()))
         .collect();
-    let weights = if quantized {
-        let (weights, modules) = quantize(weights);
-        let mut q = json!({"group_size": 32, "bits": 4});
-        for router in modules.iter().filter(|m| m.ends_with("router")) {
-            q[router] = json!({"group_size": 64, "bits": 8});
-        }
-        config["quantization"] = q;
+    let weights = if packing == Packing::Dense {
         weights
     } else {
+        let mxfp4 = packing == Packing::Mxfp4Experts;
+        let (weights, modules) = quantize(weights, mxfp4);
+        let mut q = json!({"group_size": 32, "bits": 4});
+        for module in &modules {
+            if module.ends_with("router") {
+                q[module] = json!({"group_size": 64, "bits": 8});
+            } else if mxfp4 && module.contains(".experts.") {
+                q[module] = json!({"group_size": 32, "bits": 4, "mode": "mxfp4"});
+            }
+        }
+        config["quantization"] = q;
         weights
     };
     std::fs::write(
@@ -123,9 +155,13 @@ pub fn write_gpt_oss_in(dir: &Path, quantized: bool, dtype: Dtype) {
 
 /// Every matrix replaced by its packed weight, scales and biases (MLX's
 /// `quantize`, as mlx_lm calls it): routers at 8 bits in groups of 64, the
-/// rest at 4 bits in groups of 32; vectors (norms, sinks, biases) kept.
+/// rest at 4 bits in groups of 32 — the experts MXFP4 with `mxfp4_experts`
+/// (weight and scales, no biases); vectors (norms, sinks, biases) kept.
 /// Returns the weights and the quantized modules.
-fn quantize(weights: Vec<(String, Array)>) -> (Vec<(String, Array)>, Vec<String>) {
+fn quantize(
+    weights: Vec<(String, Array)>,
+    mxfp4_experts: bool,
+) -> (Vec<(String, Array)>, Vec<String>) {
     let (mut out, mut modules) = (Vec::new(), Vec::new());
     for (key, value) in weights {
         let Some(module) = key.strip_suffix(".weight").filter(|_| value.ndim() >= 2) else {
@@ -133,6 +169,18 @@ fn quantize(weights: Vec<(String, Array)>) -> (Vec<(String, Array)>, Vec<String>
             continue;
         };
         let module = module.to_owned();
+        if mxfp4_experts && module.contains(".experts.") {
+            let q = mlx_support::Quantization {
+                group_size: 32,
+                bits: 4,
+                mode: mlx_support::QuantMode::Mxfp4,
+            };
+            let (w, scales, _) = mlx_support::quantized::quantize(&value, q).unwrap();
+            out.push((key, w));
+            out.push((format!("{module}.scales"), scales));
+            modules.push(module);
+            continue;
+        }
         let (group_size, bits) = if module.ends_with("router") {
             (64, 8)
         } else {
