@@ -14,6 +14,7 @@
 //! installing Debian packages when it can, so each one works on a fresh clone.
 
 mod adapter;
+mod bench;
 mod distributed_bench;
 mod fixtures;
 mod memory_limit;
@@ -187,6 +188,9 @@ enum Bench {
     /// Adapters served unfused per row against fused copies held at once
     /// and against reloading: memory and tokens/s.
     Adapters,
+    /// Routed experts read from the files (positioned reads against copies
+    /// out of the mapping), cold and warm, on the 26B-A4B-shaped model.
+    ExpertReads,
 }
 
 fn main() -> std::process::ExitCode {
@@ -407,113 +411,8 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench { which, args } => bench(which, &args),
+        Cmd::Bench { which, args } => bench::bench(which, &args),
     }
-}
-
-fn bench(which: Bench, args: &[String]) -> Result<()> {
-    prereqs::ensure()?;
-    fast_blas();
-    let all = which == Bench::All;
-    if all || which == Bench::Matmul {
-        cargo(&["bench", "--package", "demo", "--bench", "matmul"], &[])?;
-    }
-    if all || which == Bench::Codec {
-        cargo(
-            &["bench", "--package", "adapter-codec", "--bench", "codec"],
-            &[],
-        )?;
-    }
-    if let Some(python) = prereqs::interop_python() {
-        // The stream, fuse and engine benches run the Python originals
-        // beside ours when they find it.
-        std::env::set_var(INTEROP_PYTHON_VAR, python);
-    }
-    if all || which == Bench::Stream {
-        cargo(&["bench", "--package", "demo", "--bench", "stream"], &[])?;
-    }
-    if all || which == Bench::Distributed {
-        distributed_bench::run_all(&fixtures::ensure()?)?;
-    }
-    if all || which == Bench::PythonFace {
-        let face = python_face::face_python()
-            .context("the Python face's bench needs a Python 3.13 environment")?;
-        python_face::build_and_install(&face, &[&face])?;
-        python_face::bench(&face, &fixtures::ensure()?, if all { &[] } else { args })?;
-    }
-    if all || which == Bench::Serve {
-        serve::bench(if all { &[] } else { args })?;
-    }
-    if all || which == Bench::Arithmetic {
-        cargo(
-            &[
-                "bench",
-                "--package",
-                "mlx-engine",
-                "--bench",
-                "arithmetic",
-                "--",
-            ],
-            if all { &[] } else { args },
-        )?;
-    }
-    if all || which == Bench::Adapters {
-        std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
-        if args.iter().any(|a| a == "--e2b") {
-            std::env::set_var(CC_SENTIMENT_VAR, fixtures::cc_sentiment()?);
-        }
-        cargo(
-            &[
-                "bench",
-                "--package",
-                "mlx-engine",
-                "--bench",
-                "adapters",
-                "--",
-            ],
-            if all { &[] } else { args },
-        )?;
-    }
-    for (bench, package) in [(Bench::Fuse, "adapter-fuse"), (Bench::Engine, "mlx-engine")] {
-        if !(all || which == bench) {
-            continue;
-        }
-        std::env::set_var("MLX_LOWMEM_SMOLLM2", fixtures::ensure()?);
-        if bench == Bench::Engine {
-            std::env::set_var(GEMMA3_VAR, fixtures::gemma3()?);
-            if args.iter().any(|a| a == "--llama-cpp") {
-                let python = prereqs::interop_python()
-                    .context("llama.cpp's side needs the interop Python environment")?;
-                prereqs::llama_cpp(&python)?;
-            }
-        }
-        let name = if bench == Bench::Fuse {
-            "fuse"
-        } else {
-            "engine"
-        };
-        let mut args = if all { Vec::new() } else { args.to_vec() };
-        // `--memory-cap MB`: a memory cgroup the bench runs its children in,
-        // removed when the bench is done.
-        let _cgroup = match args.iter().position(|a| a == "--memory-cap") {
-            Some(i) if bench == Bench::Engine => {
-                let mb: u64 = args
-                    .get(i + 1)
-                    .and_then(|v| v.parse().ok())
-                    .context("--memory-cap takes megabytes")?;
-                let cgroup = memory_limit::Cgroup::create(mb * 1_000_000)?;
-                args.push("--cgroup-procs".into());
-                args.push(cgroup.dir.join("cgroup.procs").display().to_string());
-                Some(cgroup)
-            }
-            _ => None,
-        };
-        cargo(
-            &["bench", "--package", package, "--bench", name, "--"],
-            &args,
-        )?;
-    }
-    Ok(())
 }
 
 /// Makes the programs this command runs use the best OpenBLAS kernels the

@@ -144,7 +144,7 @@ pub use runtime::serving::{
 };
 pub use tokenizer::{Message, SpecialTokens, Tokenizer};
 pub use weights::kernels::Kernels;
-pub use weights::routed::{
+pub use weights::routing_counts::{
     expert_bytes_read, routing_counts, DecodeStep, RoutingCounts, DECODE_STEPS_KEPT,
 };
 

@@ -229,6 +229,53 @@ impl SafetensorsFile {
         }
     }
 
+    /// Tells the system that rows `rows` of tensor `name` will be read
+    /// soon, so that it starts fetching them from storage now and a read
+    /// that follows finds them cached: Linux's
+    /// `posix_fadvise(POSIX_FADV_WILLNEED)`, macOS's `fcntl(F_RDADVISE)`.
+    /// Returns whether the advice was given (`false` on other systems and
+    /// for an unknown name).
+    ///
+    /// # Errors
+    /// [`Error::RowsOutOfRange`] when `rows` is not inside the tensor's
+    /// outermost dimension.
+    pub fn advise_will_read(&self, name: &str, rows: Range<usize>) -> Result<bool> {
+        let Some((offset, len)) = self.rows_at(name, rows)? else {
+            return Ok(false);
+        };
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: advice on an open descriptor this value owns, for a
+            // range inside the file; it starts reads into the page cache
+            // and changes nothing a read returns.
+            Ok(unsafe {
+                libc::posix_fadvise(
+                    self.file.as_raw_fd(),
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                    libc::POSIX_FADV_WILLNEED,
+                ) == 0
+            })
+        }
+        #[cfg(target_os = "macos")]
+        {
+            use std::os::fd::AsRawFd;
+            let advice = libc::radvisory {
+                ra_offset: offset as libc::off_t,
+                ra_count: i32::try_from(len).unwrap_or(i32::MAX),
+            };
+            // SAFETY: as above; `F_RDADVISE` reads the struct and starts
+            // reading that range ahead.
+            Ok(unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_RDADVISE, &advice) != -1 })
+        }
+        #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+        {
+            let _ = (offset, len);
+            Ok(false)
+        }
+    }
+
     /// Where rows `rows` of `name` lie in the file: offset and byte length.
     fn rows_at(&self, name: &str, rows: Range<usize>) -> Result<Option<(u64, usize)>> {
         let Some(info) = self.header.tensor(name) else {

@@ -174,6 +174,18 @@ impl SafetensorsSet {
         }
     }
 
+    /// [`SafetensorsFile::advise_will_read`] for `key` in the file that
+    /// holds it; `false` for an unknown key.
+    ///
+    /// # Errors
+    /// As that method.
+    pub fn advise_will_read(&self, key: &str, rows: Range<usize>) -> Result<bool> {
+        match self.keys.get(key) {
+            Some(&i) => self.files[i].advise_will_read(key, rows),
+            None => Ok(false),
+        }
+    }
+
     /// The file that holds `key`.
     pub fn file_of(&self, key: &str) -> Option<&Path> {
         self.keys.get(key).map(|&i| self.files[i].path())

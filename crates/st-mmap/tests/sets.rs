@@ -327,6 +327,20 @@ fn rows_are_read_by_position_from_the_file_holding_them() {
         set.read_rows_into("table", 4..6, &mut out),
         Err(Error::RowsOutOfRange { .. })
     ));
+    // Rows asked for ahead: advice given (where the system takes it), the
+    // same bytes read after; an unknown key is no advice, rows outside the
+    // tensor the same typed error as a read.
+    assert_eq!(
+        set.advise_will_read("table", 1..3).unwrap(),
+        cfg!(any(target_os = "linux", target_os = "macos"))
+    );
+    assert!(set.read_rows_into("table", 1..3, &mut again).unwrap());
+    assert_eq!(again, out);
+    assert!(!set.advise_will_read("missing", 0..1).unwrap());
+    assert!(matches!(
+        set.advise_will_read("table", 4..6),
+        Err(Error::RowsOutOfRange { .. })
+    ));
 
     // Past the end, reversed, and a scalar, which has no rows.
     let reversed = std::ops::Range { start: 3, end: 2 };

@@ -12,7 +12,8 @@ use std::sync::Mutex;
 
 use crate::error::Result;
 use crate::evaluation::{evaluate, host_slice, Why};
-use crate::weights::routed::{chosen_ids, count_routing, renumbered_ids, Choices, ExpertStack};
+use crate::weights::routed::{chosen_ids, renumbered_ids, Choices, ExpertStack};
+use crate::weights::routing_counts::count_routing;
 use crate::weights::Linear;
 
 /// The routed experts of one layer: stacked `(experts, out, in)` weights.
@@ -157,6 +158,7 @@ impl Experts {
                 if distinct.len() > at_once {
                     return self.switch_glu_in_groups(x, chosen, &ids, &distinct, at_once);
                 }
+                self.ask(&distinct)?;
                 Some((ids, distinct))
             }
             None => None,
@@ -303,6 +305,16 @@ impl Experts {
         Ok(out.squeeze_axes(&[-2])?)
     }
 
+    /// Asks every stack's storage for `experts` at once (the routing now
+    /// known), so that the reads of the gate's experts overlap the fetch
+    /// of the up and down projections' (see [`RoutedExperts::ask`]).
+    fn ask(&self, experts: &[usize]) -> Result<()> {
+        for stack in &self.stacks {
+            stack.ask(experts)?;
+        }
+        Ok(())
+    }
+
     /// The gated MLP of `rows` for the choices `global` (experts' own
     /// numbers, laid out as `shape`), all among `group`: the stacks that
     /// take experts take `group`'s.
@@ -318,6 +330,7 @@ impl Experts {
             .iter()
             .map(|&e| group.partition_point(|&d| d < e as usize) as u32)
             .collect();
+        self.ask(group)?;
         let (global, local) = (
             Array::from_slice(global, shape),
             Array::from_slice(&local, shape),

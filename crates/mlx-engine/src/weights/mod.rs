@@ -18,6 +18,7 @@ pub(crate) mod packed_routed;
 pub(crate) mod plan;
 pub(crate) mod quantized;
 pub(crate) mod routed;
+pub(crate) mod routing_counts;
 pub(crate) mod row_lora;
 pub(crate) mod rows;
 pub(crate) mod slices;

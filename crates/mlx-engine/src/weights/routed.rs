@@ -8,8 +8,7 @@
 //! reader), used and dropped.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use mlx_rs::ops::{gather_mm, gather_qmm};
 use mlx_rs::{Array, Dtype};
@@ -21,85 +20,9 @@ use crate::evaluation::{evaluate, host_slice, Why};
 use crate::weights::kernels::HostKernels;
 use crate::weights::memory_mode::MemoryMode;
 use crate::weights::packed_routed;
+use crate::weights::routing_counts::count_expert_bytes;
 use crate::weights::unpack::dequantize_f32;
 use crate::weights::{KeyPath, QuantizedWeights, Weights};
-
-/// Bytes of expert weights read from the files by this process so far.
-static EXPERT_BYTES_READ: AtomicU64 = AtomicU64::new(0);
-
-/// Bytes of routed expert weights read from the files so far (all models
-/// of the process): what a forward over experts left in their files cost.
-pub fn expert_bytes_read() -> u64 {
-    EXPERT_BYTES_READ.load(Ordering::Relaxed)
-}
-
-/// How the routers of this process's models spread their choices so far,
-/// counted where the choices are read to the host anyway: layers whose
-/// experts are taken per forward (left in the files, or packed for the
-/// host kernel). For measuring a model's routing (the benchmark); resident
-/// experts multiplied by MLX are not counted.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct RoutingCounts {
-    /// How often each expert id was chosen, over every layer and forward.
-    pub choices: Vec<u64>,
-    /// Each layer's forward of one position per row (a decode step): the
-    /// first [`DECODE_STEPS_KEPT`] of the process, so that a server running
-    /// for days does not grow by one entry per layer per step.
-    pub decode_steps: Vec<DecodeStep>,
-}
-
-/// One layer's decode step, as [`RoutingCounts`] keeps it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodeStep {
-    pub rows: u32,
-    /// Distinct experts the rows chose between them.
-    pub distinct: u32,
-    /// How many of them the same layer chose at the decode step before;
-    /// `None` after a prefill.
-    pub reused: Option<u32>,
-}
-
-/// How many decode steps [`RoutingCounts`] keeps (12 MB of them).
-pub const DECODE_STEPS_KEPT: usize = 1 << 20;
-
-static ROUTING: Mutex<RoutingCounts> = Mutex::new(RoutingCounts {
-    choices: Vec::new(),
-    decode_steps: Vec::new(),
-});
-
-/// What the routers chose so far (see [`RoutingCounts`]).
-pub fn routing_counts() -> RoutingCounts {
-    ROUTING.lock().map(|r| r.clone()).unwrap_or_default()
-}
-
-/// Counts one layer's forward: `ids` chosen for `rows` rows of `positions`
-/// positions each, `distinct` experts among them, `reused` of them chosen
-/// by the layer's previous decode step.
-pub(crate) fn count_routing(
-    ids: &[u32],
-    distinct: usize,
-    rows: usize,
-    positions: usize,
-    reused: Option<usize>,
-) {
-    let Ok(mut counts) = ROUTING.lock() else {
-        return;
-    };
-    for &id in ids {
-        let id = id as usize;
-        if counts.choices.len() <= id {
-            counts.choices.resize(id + 1, 0);
-        }
-        counts.choices[id] += 1;
-    }
-    if positions == 1 && counts.decode_steps.len() < DECODE_STEPS_KEPT {
-        counts.decode_steps.push(DecodeStep {
-            rows: rows as u32,
-            distinct: distinct as u32,
-            reused: reused.map(|r| r as u32),
-        });
-    }
-}
 
 /// Experts' matrices ready for the routed product, experts on axis 0.
 pub(crate) enum ExpertMatrices {
@@ -242,6 +165,13 @@ pub(crate) trait RoutedExperts {
     /// Bytes of one expert's matrix as a forward takes it (unpacked to
     /// f32, or read dense); 0 for a stack held whole, which takes nothing.
     fn taken_bytes_per_expert(&self) -> usize;
+
+    /// Asks storage for `experts`' bytes (distinct), about to be taken:
+    /// a stack left in the files has them fetched while the stacks before
+    /// it are read; others have nothing to fetch.
+    fn ask(&self, _experts: &[usize]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// One projection's stacked experts as the model holds them.
@@ -276,6 +206,17 @@ impl RoutedExperts for ChosenSource {
 
     fn taken_bytes_per_expert(&self) -> usize {
         self.taken_bytes
+    }
+
+    fn ask(&self, experts: &[usize]) -> Result<()> {
+        self.weight.ask(experts)?;
+        if let Some((scales, biases, _)) = &self.packing {
+            scales.ask(experts)?;
+            if let Some(biases) = biases {
+                biases.ask(experts)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -399,6 +340,14 @@ impl ChosenSource {
 }
 
 impl StackPart {
+    /// See [`RoutedExperts::ask`].
+    fn ask(&self, experts: &[usize]) -> Result<()> {
+        match self {
+            StackPart::Memory(_) => Ok(()),
+            StackPart::Files(stack) => stack.ask(experts),
+        }
+    }
+
     fn take(&self, experts: &[usize]) -> Result<Array> {
         match self {
             // Every expert, in order: the stack itself.
@@ -560,6 +509,17 @@ impl FileStack {
         })
     }
 
+    /// Asks storage for experts `experts`' rows, read next: one request
+    /// each, all queued before the first read waits (on this machine's
+    /// disk, cold, 1.6× the rate of reading them in turn unasked:
+    /// docs/benchmarks.md).
+    fn ask(&self, experts: &[usize]) -> Result<()> {
+        for &e in experts {
+            self.set.advise_will_read(&self.key, e..e + 1)?;
+        }
+        Ok(())
+    }
+
     /// Experts `experts` (distinct, ascending) of the stack, read now.
     fn read(&self, experts: &[usize]) -> Result<Array> {
         let missing = || Error::MissingWeight {
@@ -579,7 +539,7 @@ impl FileStack {
             }
             Ok(())
         })?;
-        EXPERT_BYTES_READ.fetch_add(array.nbytes() as u64, Ordering::Relaxed);
+        count_expert_bytes(array.nbytes());
         Ok(array)
     }
 }
