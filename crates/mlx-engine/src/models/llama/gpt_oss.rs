@@ -10,7 +10,7 @@ use mlx_rs::{Array, Dtype};
 
 use crate::error::{Error, Result};
 use crate::models::config::ModelConfig;
-use crate::nn::rope::Yarn;
+use crate::nn::rope_scaling::RopeScaling;
 use crate::weights::{KeyPath, Weights};
 
 use super::moe::{MoeSettings, MoeStyle};
@@ -95,10 +95,8 @@ pub(super) fn settings(
         ));
     }
     let scaling = fields.rope_scaling.as_ref().filter(|s| !s.is_null());
-    let yarn = Yarn::from_scaling(scaling, config.head_dim(), f64::from(config.rope_theta))?;
-    if scaling.is_some() && yarn.is_none() {
-        return Err("gpt_oss's rope_scaling must be of type yarn".into());
-    }
+    let rope_scaling =
+        RopeScaling::from_config(scaling, config.head_dim(), f64::from(config.rope_theta))?;
     let moe = MoeSettings {
         num_experts: fields.num_local_experts,
         num_experts_per_tok: fields.num_experts_per_tok,
@@ -117,7 +115,7 @@ pub(super) fn settings(
             sliding,
         }),
         sinks: true,
-        yarn,
+        rope_scaling,
     })
 }
 

@@ -18,7 +18,8 @@ use crate::nn::cache::{KvCache, LayerMask};
 use crate::nn::experts::Experts;
 use crate::nn::fused::silu_mul;
 use crate::nn::mlp::gated_mlp;
-use crate::nn::rope::{Positions, Yarn};
+use crate::nn::rope::Positions;
+use crate::nn::rope_scaling::{RopeScaling, Rotation};
 
 use crate::ops::at_position;
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
@@ -73,7 +74,7 @@ struct LlamaSettings {
     /// Each layer's attention has a sink per head (gpt_oss).
     sinks: bool,
     /// YaRN-scaled rotary positions (gpt_oss).
-    yarn: Option<Yarn>,
+    rope_scaling: Option<RopeScaling>,
 }
 
 impl Layer {
@@ -145,6 +146,14 @@ pub(crate) const FAMILY: Family = Family {
         if raw["model_type"] == "mixtral" && raw.get("rope_theta").is_none() {
             fields["rope_theta"] = serde_json::json!(1e6);
         }
+        // transformers 5 nests qwen3's `rope_theta` in `rope_parameters`,
+        // where mlx_lm reads it; without either it refuses the config.
+        if raw["model_type"] == "qwen3" && raw.get("rope_theta").is_none() {
+            match raw.pointer("/rope_parameters/rope_theta") {
+                Some(theta) => fields["rope_theta"] = theta.clone(),
+                None => return Err("rope_theta is missing from the model config".into()),
+            }
+        }
         Ok(fields)
     },
     settings: |raw, _, config| {
@@ -161,6 +170,19 @@ pub(crate) const FAMILY: Family = Family {
         if let Some(moe) = &moe {
             moe.check()?;
         }
+        // mlx_lm's llama (mistral's too), qwen2 and qwen3 scale their
+        // positions as `rope_scaling` says (qwen3: or `rope_parameters`);
+        // its qwen3_moe and mixtral ignore it.
+        let scaling = match model_type {
+            "llama" | "mistral" | "qwen2" => raw.get("rope_scaling"),
+            "qwen3" => raw
+                .get("rope_scaling")
+                .filter(|s| !s.is_null())
+                .or_else(|| raw.get("rope_parameters")),
+            _ => None,
+        };
+        let rope_scaling =
+            RopeScaling::from_config(scaling, config.head_dim(), f64::from(config.rope_theta))?;
         Ok(Some(FamilySettings::new(LlamaSettings {
             // qwen3's per-head norms of queries and keys (q/k/v biases,
             // qwen2's, are found by their weights).
@@ -168,7 +190,7 @@ pub(crate) const FAMILY: Family = Family {
             moe,
             windows: None,
             sinks: false,
-            yarn: None,
+            rope_scaling,
         })))
     },
     layers_prefix: |_, _, _| Ok(layers_path()),
@@ -200,8 +222,8 @@ pub(crate) struct Llama {
     head: Option<Head>,
     /// Its experts are read from the files per forward.
     experts_in_files: bool,
-    /// YaRN's periods and feature scale, where the positions are YaRN's.
-    yarn: Option<(Array, f32)>,
+    /// How positions rotate (the config's `rope_scaling`).
+    rotation: Rotation,
 }
 
 struct Head {
@@ -242,21 +264,21 @@ impl Llama {
         })?;
         let settings = config.settings::<LlamaSettings>();
         let moe = settings.is_some_and(|s| s.moe.is_some());
-        let yarn = match settings.and_then(|s| s.yarn.as_ref()) {
-            Some(yarn) => {
-                let freqs = yarn.freqs()?;
-                // Lanes read the model's arrays from other threads.
-                crate::evaluation::evaluate(crate::evaluation::Why::Load, [&freqs])?;
-                Some((freqs, yarn.feature_scale() as f32))
-            }
-            None => None,
-        };
+        let rotation = RopeScaling::rotation(
+            settings.and_then(|s| s.rope_scaling.as_ref()),
+            config.head_dim(),
+            config.rope_theta,
+        )?;
+        if let Rotation::Periods { freqs, .. } = &rotation {
+            // Lanes read the model's arrays from other threads.
+            crate::evaluation::evaluate(crate::evaluation::Why::Load, [freqs])?;
+        }
         Ok(Llama {
             embed,
             layers,
             head,
             experts_in_files: moe && w.experts_in_files(),
-            yarn,
+            rotation,
         })
     }
 
@@ -342,7 +364,7 @@ impl Llama {
                     (Some(w), Some(i)) => Some(cache.mask(i, l, Some(w.size))),
                     _ => None,
                 },
-                yarn: self.yarn.clone(),
+                rotation: self.rotation.clone(),
                 positions: Positions::of(cache),
                 b: tokens.dim(0),
                 l,
@@ -370,8 +392,8 @@ struct Pass<'c> {
     mask: LayerMask,
     /// The sliding layers' mask, where there are some.
     window_mask: Option<LayerMask>,
-    /// YaRN's periods and feature scale.
-    yarn: Option<(Array, f32)>,
+    /// How positions rotate.
+    rotation: Rotation,
     positions: Positions,
     b: i32,
     /// Positions the queries run on: `new`, or 1 once narrowed.
@@ -410,20 +432,22 @@ impl Layer {
         if let Some(kn) = &self.k_norm {
             k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
         }
-        let yarn = p.yarn.clone();
-        let rope = |x: &Array, positions: &Positions| match &yarn {
-            Some((freqs, scale)) => {
-                let scale = Array::from_f32(*scale).as_dtype(x.dtype())?;
-                positions.rope(
-                    &x.multiply(scale)?,
-                    hd,
-                    c.rope_traditional,
-                    None,
-                    1.0,
-                    Some(freqs),
-                )
+        let rotation = p.rotation.clone();
+        let rope = |x: &Array, positions: &Positions| match &rotation {
+            Rotation::Periods {
+                freqs,
+                feature_scale,
+            } => {
+                let x = if *feature_scale == 1.0 {
+                    x.clone()
+                } else {
+                    x.multiply(Array::from_f32(*feature_scale).as_dtype(x.dtype())?)?
+                };
+                positions.rope(&x, hd, c.rope_traditional, None, 1.0, Some(freqs))
             }
-            None => positions.rope(x, hd, c.rope_traditional, Some(c.rope_theta), 1.0, None),
+            Rotation::Base { base, scale } => {
+                positions.rope(x, hd, c.rope_traditional, Some(*base), *scale, None)
+            }
         };
         let k = rope(&k, &p.positions)?;
         let (k, v) = p.cache.append(i, k, v, self.window)?;
