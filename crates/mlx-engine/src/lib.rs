@@ -7,7 +7,7 @@
 //! classification prompt is a shared prefix worth computing once.
 //!
 //! [`MlxEngine`] starts a named worker thread that loads a model folder
-//! ([`Model`]: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, Gemma 3
+//! ([`Model`]: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gpt_oss, Gemma 3
 //! and Gemma 4 text in mlx_lm format), its
 //! [`Tokenizer`] and chat template, and runs the shared prefix messages once.
 //! [`MlxEngine::generate`] then checks that each conversation starts with

@@ -26,7 +26,7 @@ pub use crate::weights::QuantizedWeights;
 use std::sync::Arc;
 
 /// A loaded decoder model: llama, mistral, qwen2, qwen3, qwen3_moe,
-/// mixtral, Gemma 3 or Gemma 4 (text).
+/// mixtral, gpt_oss, Gemma 3 or Gemma 4 (text).
 pub struct Model {
     config: ModelConfig,
     decoder: Box<dyn Decoder>,
