@@ -13,7 +13,7 @@ use crate::models::config::ModelConfig;
 use crate::nn::rope_scaling::RopeScaling;
 use crate::weights::{KeyPath, Weights};
 
-use super::moe::{MoeSettings, MoeStyle};
+use super::moe::{LocalExpertsFields, MoeSettings, MoeStyle};
 use super::LlamaSettings;
 
 /// Which layers attend within a window, and the window: the latest
@@ -39,9 +39,8 @@ impl Windows {
 /// `ModelArgs`).
 #[derive(Debug, serde::Deserialize)]
 struct Fields {
-    num_local_experts: usize,
-    num_experts_per_tok: usize,
-    intermediate_size: usize,
+    #[serde(flatten)]
+    experts: LocalExpertsFields,
     sliding_window: usize,
     #[serde(default)]
     layer_types: Option<Vec<String>>,
@@ -97,15 +96,7 @@ pub(super) fn settings(
     let scaling = fields.rope_scaling.as_ref().filter(|s| !s.is_null());
     let rope_scaling =
         RopeScaling::from_config(scaling, config.head_dim(), f64::from(config.rope_theta))?;
-    let moe = MoeSettings {
-        num_experts: fields.num_local_experts,
-        num_experts_per_tok: fields.num_experts_per_tok,
-        decoder_sparse_step: 1,
-        mlp_only_layers: Vec::new(),
-        moe_intermediate_size: fields.intermediate_size,
-        norm_topk_prob: false,
-        style: MoeStyle::GptOss,
-    };
+    let moe = MoeSettings::every_layer(fields.experts, MoeStyle::GptOss);
     moe.check()?;
     Ok(LlamaSettings {
         qk_norm: false,

@@ -23,7 +23,7 @@ use crate::nn::rope_scaling::{RopeScaling, Rotation};
 
 use crate::ops::at_position;
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
-use moe::{load_experts, MoeSettings};
+use moe::{load_experts, MoeSettings, MoeStyle};
 
 /// Where the llama family's text decoder keeps its weights.
 const MODEL: &str = "model";
@@ -163,7 +163,8 @@ pub(crate) const FAMILY: Family = Family {
         }
         let parsed = match model_type {
             "qwen3_moe" => serde_json::from_value(raw.clone()).map(Some),
-            "mixtral" => serde_json::from_value(raw.clone()).map(|f| Some(MoeSettings::mixtral(f))),
+            "mixtral" => serde_json::from_value(raw.clone())
+                .map(|f| Some(MoeSettings::every_layer(f, MoeStyle::Mixtral))),
             _ => Ok(None),
         };
         let moe: Option<MoeSettings> = parsed.map_err(|e| e.to_string())?;

@@ -43,9 +43,10 @@ pub(super) enum MoeStyle {
     GptOss,
 }
 
-/// mixtral's fields of `config.json` (mlx_lm's `ModelArgs`).
+/// The experts' fields of mixtral's and gpt_oss's `config.json` (mlx_lm's
+/// `ModelArgs`): every layer sparse.
 #[derive(Debug, Clone, serde::Deserialize)]
-pub(super) struct MixtralFields {
+pub(super) struct LocalExpertsFields {
     num_local_experts: usize,
     num_experts_per_tok: usize,
     intermediate_size: usize,
@@ -56,7 +57,9 @@ fn one() -> usize {
 }
 
 impl MoeSettings {
-    pub(super) fn mixtral(fields: MixtralFields) -> MoeSettings {
+    /// Every layer sparse, laid out and routed as `style` (mixtral,
+    /// gpt_oss).
+    pub(super) fn every_layer(fields: LocalExpertsFields, style: MoeStyle) -> MoeSettings {
         MoeSettings {
             num_experts: fields.num_local_experts,
             num_experts_per_tok: fields.num_experts_per_tok,
@@ -64,7 +67,7 @@ impl MoeSettings {
             mlp_only_layers: Vec::new(),
             moe_intermediate_size: fields.intermediate_size,
             norm_topk_prob: false,
-            style: MoeStyle::Mixtral,
+            style,
         }
     }
 
