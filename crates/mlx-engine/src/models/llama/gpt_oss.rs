@@ -14,26 +14,8 @@ use crate::nn::rope_scaling::RopeScaling;
 use crate::weights::{KeyPath, Weights};
 
 use super::moe::{LocalExpertsFields, MoeSettings, MoeStyle};
+use super::windows::Windows;
 use super::LlamaSettings;
-
-/// Which layers attend within a window, and the window: the latest
-/// `size` positions, the query's own included.
-#[derive(Debug, Clone)]
-pub(super) struct Windows {
-    pub size: i32,
-    pub sliding: Vec<bool>,
-}
-
-impl Windows {
-    /// Layer `i`'s window, if it has one.
-    pub(super) fn of(&self, i: usize) -> Option<i32> {
-        self.sliding
-            .get(i)
-            .copied()
-            .unwrap_or(false)
-            .then_some(self.size)
-    }
-}
 
 /// gpt_oss's fields of `config.json` beyond the common ones (mlx_lm's
 /// `ModelArgs`).
@@ -71,28 +53,7 @@ pub(super) fn settings(
             ))
         }
     };
-    if types.len() != layers {
-        return Err(format!(
-            "layer_types has {} entries for {layers} layers",
-            types.len()
-        ));
-    }
-    let sliding = types
-        .iter()
-        .map(|t| match t.as_str() {
-            "sliding_attention" => Ok(true),
-            "full_attention" => Ok(false),
-            other => Err(format!(
-                "layer type {other:?}: gpt_oss's are sliding_attention and full_attention"
-            )),
-        })
-        .collect::<std::result::Result<Vec<bool>, String>>()?;
-    if fields.sliding_window == 0 || fields.sliding_window > i32::MAX as usize {
-        return Err(format!(
-            "sliding_window {} is out of range",
-            fields.sliding_window
-        ));
-    }
+    let windows = Windows::of_layer_types(&types, Some(fields.sliding_window), layers)?;
     let scaling = fields.rope_scaling.as_ref().filter(|s| !s.is_null());
     let rope_scaling =
         RopeScaling::from_config(scaling, config.head_dim(), f64::from(config.rope_theta))?;
@@ -101,10 +62,7 @@ pub(super) fn settings(
     Ok(LlamaSettings {
         qk_norm: false,
         moe: Some(moe),
-        windows: Some(Windows {
-            size: fields.sliding_window as i32,
-            sliding,
-        }),
+        windows,
         sinks: true,
         rope_scaling,
     })

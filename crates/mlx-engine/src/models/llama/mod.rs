@@ -4,6 +4,7 @@
 
 mod gpt_oss;
 mod moe;
+mod windows;
 
 use mlx_rs::fast;
 use mlx_rs::Array;
@@ -24,6 +25,7 @@ use crate::nn::rope_scaling::{RopeScaling, Rotation};
 use crate::ops::at_position;
 use crate::weights::{Embedding, KeyPath, Linear, Weights};
 use moe::{load_experts, MoeSettings, MoeStyle};
+use windows::Windows;
 
 /// Where the llama family's text decoder keeps its weights.
 const MODEL: &str = "model";
@@ -70,7 +72,7 @@ struct LlamaSettings {
     /// The mixtures of experts' (qwen3_moe, mixtral, gpt_oss).
     moe: Option<MoeSettings>,
     /// Layers attending within a window (gpt_oss's sliding layers).
-    windows: Option<gpt_oss::Windows>,
+    windows: Option<windows::Windows>,
     /// Each layer's attention has a sink per head (gpt_oss).
     sinks: bool,
     /// YaRN-scaled rotary positions (gpt_oss).
@@ -184,12 +186,27 @@ pub(crate) const FAMILY: Family = Family {
         };
         let rope_scaling =
             RopeScaling::from_config(scaling, config.head_dim(), f64::from(config.rope_theta))?;
+        // mlx_lm's llama (mistral's too) slides the layers `layer_types`
+        // names (without it, every layer is full: mistral's bare
+        // `sliding_window` is ignored, as there).
+        let windows = match (model_type, raw.get("layer_types")) {
+            ("llama" | "mistral", Some(types)) if !types.is_null() => {
+                let types: Vec<String> =
+                    serde_json::from_value(types.clone()).map_err(|e| e.to_string())?;
+                let window = raw
+                    .get("sliding_window")
+                    .and_then(serde_json::Value::as_u64)
+                    .map(|w| w as usize);
+                Windows::of_layer_types(&types, window, config.num_hidden_layers)?
+            }
+            _ => None,
+        };
         Ok(Some(FamilySettings::new(LlamaSettings {
             // qwen3's per-head norms of queries and keys (q/k/v biases,
             // qwen2's, are found by their weights).
             qk_norm: matches!(model_type, "qwen3" | "qwen3_moe"),
             moe,
-            windows: None,
+            windows,
             sinks: false,
             rope_scaling,
         })))

@@ -1,10 +1,12 @@
-//! Rotary scaling (`rope_scaling`) against mlx_lm 0.32.2, which reads it
-//! for llama (mistral too), qwen2, qwen3 and gpt_oss: linear positions,
-//! Llama 3's periods (what Llama 3.1, 3.2 and 3.3 checkpoints carry) and
-//! YaRN's, on random tiny models — logits at every position, whole, after a
-//! shared prefix and in a left-padded batch, within 1e-4 (f32). qwen3's
-//! `rope_theta` nested in `rope_parameters` (transformers 5) the same way;
-//! a scaling type the engine does not compute is a typed error naming it.
+//! The llama family's `config.json` fields read as mlx_lm 0.32.2 reads
+//! them, against its logits on random tiny models (every position, whole,
+//! after a shared prefix and in a left-padded batch, within 1e-4, f32):
+//! rotary scaling (`rope_scaling`, which mlx_lm reads for llama, mistral,
+//! qwen2, qwen3 and gpt_oss) — linear positions, Llama 3's periods (what
+//! Llama 3.1, 3.2 and 3.3 checkpoints carry) and YaRN's; qwen3's
+//! `rope_theta` nested in `rope_parameters` (transformers 5); llama's
+//! sliding layers named by `layer_types`. A scaling type the engine does
+//! not compute is a typed error naming it.
 
 mod common;
 
@@ -167,4 +169,22 @@ fn a_scaling_the_engine_does_not_compute_is_a_typed_error() {
             "{message}"
         );
     }
+}
+
+/// llama layers that `layer_types` names sliding attend within
+/// `sliding_window` (8 here, under prompts of 40–70 tokens).
+#[test]
+fn llama_sliding_layers_match_mlx_lm() {
+    let test = "llama_sliding_layers_match_mlx_lm";
+    let Some(python) = mlx_lm_python(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "llama",
+        json!({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+               "max_position_embeddings": 512}),
+    );
+    positions_match(&python, dir.path(), "llama, sliding layers");
 }
