@@ -34,6 +34,14 @@ pub enum Error {
         expected: Vec<usize>,
         actual: Vec<usize>,
     },
+    /// A weight's element type is not the one its quantization reads.
+    #[error("{path}: weight {key:?} holds {actual}, where {expected} are read")]
+    WeightDtype {
+        path: PathBuf,
+        key: String,
+        expected: &'static str,
+        actual: String,
+    },
     /// A module's weights are quantized but `config.json`'s `quantization`
     /// gives no group size and bits for it.
     #[error("{path}: {module} is quantized in the weights but `quantization` does not cover it")]

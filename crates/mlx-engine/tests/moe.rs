@@ -235,6 +235,30 @@ fn an_mxfp4_layer_outside_the_experts_is_a_typed_error() {
     );
 }
 
+/// MXFP4 experts whose scales are floats (an affine checkpoint under an
+/// MXFP4 entry) are a typed error naming the file and the tensor.
+#[test]
+fn mxfp4_experts_with_float_scales_are_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    write_gpt_oss_mxfp4(dir);
+    let path = dir.join("model.safetensors");
+    let mut weights = Array::load_safetensors(&path).unwrap();
+    let key = "model.layers.2.mlp.experts.down_proj.scales";
+    let scales = weights[key].as_dtype(mlx_rs::Dtype::Float32).unwrap();
+    weights.insert(key.to_owned(), scales);
+    mlx_rs::transforms::eval(weights.values()).unwrap();
+    Array::save_safetensors(weights.iter().map(|(k, v)| (k.as_str(), v)), None, &path).unwrap();
+    let Err(err) = Model::loader(dir).load() else {
+        panic!("float scales under an MXFP4 entry are refused")
+    };
+    let message = err.to_string();
+    assert!(
+        message.contains(key) && message.contains("model.safetensors"),
+        "{message}"
+    );
+}
+
 /// The model `write` makes, loaded with each of `handlings`, gives
 /// mlx_lm's logits within `tolerance` at every position.
 fn positions_match(

@@ -423,6 +423,20 @@ impl Weights<'_> {
         let packing = match packing {
             Some(q) => {
                 let groups = inputs / q.group_size as usize;
+                if q.mode == QuantMode::Mxfp4 {
+                    // MXFP4's scales are bytes (E8M0); floats there are an
+                    // affine checkpoint under an MXFP4 entry.
+                    let key = module.join("scales").to_string();
+                    let dtype = self.set.tensor(&key).map(|t| t.dtype);
+                    if let Some(dtype) = dtype.filter(|&d| d != st_mmap::Dtype::U8) {
+                        return Err(Error::WeightDtype {
+                            path: self.file_of(&key),
+                            key,
+                            expected: "bytes (MXFP4's scales, U8)",
+                            actual: format!("{dtype:?}"),
+                        });
+                    }
+                }
                 let biases = if q.mode.has_biases() {
                     Some(part("biases", groups)?)
                 } else {
