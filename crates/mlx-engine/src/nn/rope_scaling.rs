@@ -18,16 +18,21 @@ type FieldReader<'a> = dyn Fn(&str, Option<f64>) -> std::result::Result<f64, Str
 pub(crate) enum RopeScaling {
     /// Positions divided by `factor` (`linear`).
     Linear { factor: f64 },
-    /// Llama 3's periods (`llama3`): long wavelengths stretched by
-    /// `factor`, short ones kept, those between blended.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: f64,
-    },
+    /// Llama 3's periods (`llama3`).
+    Llama3(Llama3),
     /// YaRN's (`yarn`, and mlx_lm's aliases of it).
     Yarn(Yarn),
+}
+
+/// Llama 3's rotary periods, as mlx_lm's `Llama3RoPE` computes them: long
+/// wavelengths stretched by `factor`, short ones kept, those between
+/// blended.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Llama3 {
+    factor: f64,
+    low_freq_factor: f64,
+    high_freq_factor: f64,
+    original_max_position_embeddings: f64,
 }
 
 /// How rotary positions are computed, once a model is loaded.
@@ -88,7 +93,7 @@ impl RopeScaling {
                         "rope_scaling's low_freq_factor and high_freq_factor are equal".into(),
                     );
                 }
-                Some(RopeScaling::Llama3 {
+                Some(RopeScaling::Llama3(Llama3 {
                     factor: positive("factor", number("factor", None)?)?,
                     low_freq_factor: positive("low_freq_factor", low)?,
                     high_freq_factor: positive("high_freq_factor", high)?,
@@ -96,7 +101,7 @@ impl RopeScaling {
                         "original_max_position_embeddings",
                         number("original_max_position_embeddings", Some(8192.0))?,
                     )?,
-                })
+                }))
             }
             "yarn" | "deepseek_yarn" | "telechat3-yarn" => {
                 Some(RopeScaling::Yarn(Yarn::from_entry(&number, dims, base)?))
@@ -127,24 +132,23 @@ impl RopeScaling {
                 freqs: yarn.freqs()?,
                 feature_scale: yarn.feature_scale() as f32,
             },
-            Some(llama3) => Rotation::Periods {
-                freqs: llama3.llama3_freqs(dims, f64::from(base))?,
+            Some(RopeScaling::Llama3(llama3)) => Rotation::Periods {
+                freqs: llama3.freqs(dims, f64::from(base))?,
                 feature_scale: 1.0,
             },
         })
     }
+}
 
-    /// Llama 3's periods, as mlx_lm's `Llama3RoPE` computes them.
-    fn llama3_freqs(&self, dims: usize, base: f64) -> Result<Array> {
-        let RopeScaling::Llama3 {
+impl Llama3 {
+    /// The periods `(dims / 2,)` of `dims` features over `base`.
+    fn freqs(&self, dims: usize, base: f64) -> Result<Array> {
+        let Llama3 {
             factor,
             low_freq_factor,
             high_freq_factor,
             original_max_position_embeddings: old,
-        } = *self
-        else {
-            unreachable!("called on Llama 3's scaling alone")
-        };
+        } = *self;
         let scalar = |v: f64| Array::from_f32(v as f32);
         let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
         // `mx.arange(0, dims, 2)` is int32, divided by an int: f32.

@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use mlx_rs::ops::{gather_mm, gather_qmm};
+use mlx_rs::ops::gather_mm;
 use mlx_rs::{Array, Dtype};
 use mlx_support::{array_written, quantized, QuantMode, Quantization};
 use st_mmap::SafetensorsSet;
@@ -70,24 +70,7 @@ impl ExpertMatrices {
                     y
                 }
             }
-            ExpertMatrices::Packed {
-                weight,
-                scales,
-                biases: Some(biases),
-                q,
-            } if q.mode == QuantMode::Affine => gather_qmm(
-                x,
-                weight,
-                scales,
-                Some(biases),
-                None,
-                Some(experts),
-                true,
-                q.group_size,
-                q.bits,
-                sorted,
-            )?,
-            // Another mode (MXFP4): mlx-rs would call it affine.
+            // In the stack's own mode (mlx-rs calls MLX's affine alone).
             ExpertMatrices::Packed {
                 weight,
                 scales,

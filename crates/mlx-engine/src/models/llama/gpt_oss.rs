@@ -54,9 +54,11 @@ pub(super) fn settings(
         }
     };
     let windows = Windows::of_layer_types(&types, Some(fields.sliding_window), layers)?;
-    let scaling = fields.rope_scaling.as_ref().filter(|s| !s.is_null());
-    let rope_scaling =
-        RopeScaling::from_config(scaling, config.head_dim(), f64::from(config.rope_theta))?;
+    let rope_scaling = RopeScaling::from_config(
+        fields.rope_scaling.as_ref(),
+        config.head_dim(),
+        f64::from(config.rope_theta),
+    )?;
     let moe = MoeSettings::every_layer(fields.experts, MoeStyle::GptOss);
     moe.check()?;
     Ok(LlamaSettings {

@@ -75,7 +75,8 @@ struct LlamaSettings {
     windows: Option<windows::Windows>,
     /// Each layer's attention has a sink per head (gpt_oss).
     sinks: bool,
-    /// YaRN-scaled rotary positions (gpt_oss).
+    /// How positions are scaled (`rope_scaling`: llama, mistral, qwen2,
+    /// qwen3, gpt_oss).
     rope_scaling: Option<RopeScaling>,
 }
 
