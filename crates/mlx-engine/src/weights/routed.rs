@@ -507,9 +507,8 @@ impl FileStack {
     }
 
     /// Asks storage for experts `experts`' rows, read next: one request
-    /// each, all queued before the first read waits (on this machine's
-    /// disk, cold, 1.6× the rate of reading them in turn unasked:
-    /// docs/benchmarks.md).
+    /// each, all queued before the first read waits (faster from storage
+    /// than reading them in turn unasked: docs/benchmarks.md).
     fn ask(&self, experts: &[usize]) -> Result<()> {
         for &e in experts {
             self.set.advise_will_read(&self.key, e..e + 1)?;
