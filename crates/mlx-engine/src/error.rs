@@ -159,6 +159,10 @@ pub enum Error {
     /// engine's choice of kernel: it asks only for products they take).
     #[error("CPU kernel: {0}")]
     Kernel(#[from] cpu_kernels::Error),
+    /// An adapter shipped compressed (the adapter codec's `.zst`) could
+    /// not be decoded; the codec's error names the file.
+    #[error(transparent)]
+    Codec(#[from] adapter_codec::Error),
     /// An array's elements could not be read on the host.
     #[error("reading {what} on the host: {reason}")]
     HostRead { what: &'static str, reason: String },
@@ -222,9 +226,17 @@ pub enum EngineError {
     #[error("max_tokens {max_tokens} is too few: the shortest answer under this schema is {needed} tokens")]
     MaxTokensTooSmall { max_tokens: usize, needed: String },
     /// A request named an adapter the engine does not serve
-    /// (`EngineConfig::named_adapter`).
+    /// (`EngineConfig::named_adapter`, `MlxEngine::load_adapter`).
     #[error("no adapter is called {0:?}")]
     UnknownAdapter(String),
+    /// Loading (or unloading) an adapter served per row failed
+    /// (`MlxEngine::load_adapter`); the adapters served are as before.
+    #[error("loading an adapter failed: {0}")]
+    AdapterLoad(Arc<Error>),
+    /// An adapter that requests running or waiting use cannot be unloaded
+    /// (`MlxEngine::unload_adapter`); unload it once they are done.
+    #[error("adapter {name:?} is used by {requests} running or waiting requests; unload it once they are done")]
+    AdapterInUse { name: String, requests: usize },
     /// A request that cannot be served as asked (e.g. `max_tokens` 0).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -19,7 +19,6 @@ use mlx_engine::{
     Completion, CompletionText, EngineConfig, EngineError, GenerateOptions, MemoryMode, Message,
     MlxEngine, PrefixCache, QuantizedWeights, SpecialTokens, Tokenizer,
 };
-use mlx_rs::Array;
 
 /// Strong enough to change greedy answers.
 const SCALE: f32 = 64.0;
@@ -243,11 +242,6 @@ fn prefixes_are_kept_per_adapter_and_unknown_or_unfitting_adapters_are_errors() 
 
     // A pair for a module the model lacks, or one that does not fit its
     // layer: the load names the adapter and the key.
-    let x_tensors: Vec<(String, Array)> =
-        Array::load_safetensors(x_dir.join("adapters.safetensors"))
-            .unwrap()
-            .into_iter()
-            .collect();
     let cases = [
         (
             "model.layers.3.self_attn.q_norm",
@@ -258,27 +252,7 @@ fn prefixes_are_kept_per_adapter_and_unknown_or_unfitting_adapters_are_errors() 
     ];
     for (i, (module, outputs, says)) in cases.into_iter().enumerate() {
         let bad = work.path().join(format!("bad-{i}"));
-        std::fs::create_dir_all(&bad).unwrap();
-        std::fs::copy(
-            x_dir.join("adapter_config.json"),
-            bad.join("adapter_config.json"),
-        )
-        .unwrap();
-        let mut tensors = x_tensors.clone();
-        tensors.push((
-            format!("{module}.lora_a"),
-            common::normal(&[576, 4], 1, 0.1),
-        ));
-        tensors.push((
-            format!("{module}.lora_b"),
-            common::normal(&[4, outputs], 2, 0.1),
-        ));
-        Array::save_safetensors(
-            tensors.iter().map(|(k, v)| (k.as_str(), v)),
-            None,
-            bad.join("adapters.safetensors"),
-        )
-        .unwrap();
+        common::adapter::with_extra_pair(&x_dir, &bad, module, outputs);
         let engine = MlxEngine::new(EngineConfig::new(&base).named_adapter("bad", &bad)).unwrap();
         match engine.ensure_loaded() {
             Err(EngineError::Load(e)) => {

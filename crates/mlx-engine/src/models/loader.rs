@@ -3,6 +3,7 @@
 //! which kernels multiply them, the rule that adapters need streamed
 //! layers), then the decoder built from a [`Checkpoint`].
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -212,7 +213,7 @@ fn load(
     };
     let decoder = (family.load)(config, &source.weights(), &stage)?;
     if let Some(adapters) = &row_adapters {
-        adapters_fit(adapters, &checkpoint)?;
+        adapters.model_built(matrices(&checkpoint))?;
     }
     if let Some(group) = placement.group() {
         let layers = stage.is_split().then(|| stage.layers());
@@ -240,21 +241,14 @@ fn load(
     .with_row_adapters(row_adapters))
 }
 
-/// Every pair of every per-row adapter adapts a linear layer of the
-/// checkpoint: one the load built, or a matrix the files hold that the
-/// engine builds later (streamed layers) or never (the key and value
-/// projections a KV-shared Gemma 4 layer keeps unused, which an mlx_lm
-/// adapter may carry, as cc-sentiment's does: they change nothing there
-/// either).
-fn adapters_fit(adapters: &RowAdapters, checkpoint: &Checkpoint) -> Result<()> {
-    let matrix = |module: &str| {
-        let key = format!("{module}.weight");
-        checkpoint
-            .set()
-            .tensor(&key)
-            .is_some_and(|t| t.shape.len() == 2)
-    };
-    adapters.check_modules(|module| adapters.was_built(module) || matrix(module))
+/// The modules of every matrix `checkpoint` holds, which a per-row
+/// adapter may adapt (see `RowAdapters::model_built`).
+fn matrices(checkpoint: &Checkpoint) -> BTreeSet<String> {
+    let set = checkpoint.set();
+    set.keys()
+        .filter(|key| set.tensor(key).is_some_and(|t| t.shape.len() == 2))
+        .filter_map(|key| key.strip_suffix(".weight").map(str::to_owned))
+        .collect()
 }
 
 /// What decides the loaded model's numbers besides its files (see

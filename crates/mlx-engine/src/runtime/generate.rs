@@ -41,9 +41,8 @@ pub(crate) struct GenState {
     /// The prefix's caches under each per-row adapter asked for so far.
     adapter_prefixes: HashMap<usize, Arc<KvCache>>,
     /// Where prefixes are kept across restarts, and what they are bound
-    /// to; the per-row adapters' digests.
+    /// to.
     prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
-    row_digests: Vec<String>,
 }
 
 /// The generation settings of an [`EngineConfig`](crate::EngineConfig).
@@ -60,8 +59,6 @@ pub(crate) struct GenSettings {
     /// Where the prefix's computed cache is kept across restarts, and what
     /// it is bound to there.
     pub prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
-    /// The per-row adapters' digests, by slot (with a prefix folder).
-    pub row_digests: Vec<String>,
 }
 
 impl GenState {
@@ -95,7 +92,6 @@ impl GenState {
             prefix_cache: what_to_cache,
             placement,
             prefix_disk,
-            row_digests,
         } = settings;
         let group = placement.group().map(|g| {
             let data = matches!(placement, Placement::DataParallel { .. });
@@ -141,8 +137,12 @@ impl GenState {
             group,
             adapter_prefixes: HashMap::new(),
             prefix_disk,
-            row_digests,
         })
+    }
+
+    /// Forgets the prefix's cache under the adapter in `slot` (unloaded).
+    pub(crate) fn forget_adapter(&mut self, slot: usize) {
+        self.adapter_prefixes.remove(&slot);
     }
 
     /// The prefix's cache under the per-row adapter `slot` (none: the
@@ -154,11 +154,7 @@ impl GenState {
         if let Some(cache) = self.adapter_prefixes.get(&slot) {
             return Ok(Arc::clone(cache));
         }
-        let disk = prefix_disk::disk_under_adapter(
-            self.prefix_disk.as_ref(),
-            &self.row_digests,
-            Some(slot),
-        );
+        let disk = prefix_disk::disk_under_adapter(self.prefix_disk.as_ref(), model, Some(slot));
         let what = match self.prefix_is_clean {
             true => PrefixCache::Clean,
             false => PrefixCache::WithGeneratedToken,

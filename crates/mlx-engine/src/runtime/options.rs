@@ -268,7 +268,10 @@ impl EngineConfig {
         self
     }
 
-    /// An mlx_lm adapter folder served unfused under `name`: a
+    /// An mlx_lm adapter folder served unfused under `name` (or the
+    /// adapter codec's compressed file as a program ships it: the
+    /// `adapters.safetensors.zst` itself, or a folder holding it, with its
+    /// `adapter_config.json` beside it; decoded at load): a
     /// [`Completion`](crate::Completion) that names it
     /// ([`Completion::adapter`](crate::Completion::adapter)) gets its
     /// LoRA on its own row, `y = x·Wᵀ + s·(x·A)·B` as mlx_lm's

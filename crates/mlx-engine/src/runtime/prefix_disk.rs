@@ -257,15 +257,15 @@ pub(crate) fn load_or_compute(
 }
 
 /// The prefix folder and its binding for a prefix computed under
-/// `adapter`, whose files' digests by slot are `digests`.
+/// `adapter`, one of `model`'s per-row adapters (none without its digest).
 pub(crate) fn disk_under_adapter(
     disk: Option<&(PrefixDisk, PrefixBinding)>,
-    digests: &[String],
+    model: &crate::models::Model,
     adapter: Option<usize>,
 ) -> Option<(PrefixDisk, PrefixBinding)> {
     let (disk, binding) = disk?;
     let binding = match adapter {
-        Some(slot) => binding.under_row_adapter(digests.get(slot)?),
+        Some(slot) => binding.under_row_adapter(&model.row_adapters()?.digest(slot)?),
         None => binding.clone(),
     };
     Some((disk.clone(), binding))

@@ -63,6 +63,12 @@ impl PrefixStore {
         )
     }
 
+    /// Drops every entry computed under the adapter in `slot` (unloaded:
+    /// no request can name it again, and its slot is never reused).
+    pub(crate) fn forget_adapter(&mut self, slot: usize) {
+        self.entries.retain(|e| e.adapter != Some(slot));
+    }
+
     /// The longest entry of `adapter`'s that `prompt` starts with and goes
     /// past.
     pub(crate) fn lookup(&mut self, adapter: Option<usize>, prompt: &[u32]) -> Option<Found> {

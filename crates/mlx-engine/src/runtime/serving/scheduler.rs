@@ -37,8 +37,6 @@ pub(crate) struct SchedulerSettings {
     /// Where shared prefixes are kept across restarts, and what they are
     /// bound to there.
     pub prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
-    /// The per-row adapters' digests, by slot (with a prefix folder).
-    pub row_digests: Vec<String>,
 }
 
 /// A request's row while it decodes.
@@ -112,6 +110,24 @@ impl Scheduler {
     /// Whether nothing waits or runs.
     pub(crate) fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.cohorts.is_empty()
+    }
+
+    /// How many requests running or waiting use the adapter `name`, in
+    /// `slot` (not those cancelled, which leave at the next step).
+    pub(crate) fn using_adapter(&self, name: &str, slot: usize) -> usize {
+        let running = self.cohorts.iter().flat_map(|c| &c.rows);
+        let running = running.filter(|r| r.adapter == Some(slot) && !r.events.is_closed());
+        let waiting = self
+            .waiting
+            .iter()
+            .filter(|p| p.completion.adapter.as_deref() == Some(name) && !p.events.is_closed());
+        running.count() + waiting.count()
+    }
+
+    /// Forgets what it keeps for the adapter in `slot` (unloaded).
+    pub(crate) fn forget_adapter(&mut self, slot: usize) {
+        self.store.forget_adapter(slot);
+        self.publish();
     }
 
     /// Queues a request for the next step.
@@ -294,7 +310,7 @@ impl Scheduler {
                 self.counters.prefix_misses.fetch_add(1, Ordering::Relaxed);
                 let disk = prefix_disk::disk_under_adapter(
                     self.settings.prefix_disk.as_ref(),
-                    &self.settings.row_digests,
+                    model,
                     adapter,
                 );
                 let (prefix, origin) =

@@ -7,6 +7,8 @@
 //! (or if the worker is gone) every call gets `EngineError::Closed` at once.
 //! Nobody waits forever.
 
+mod adapter_calls;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -34,6 +36,8 @@ pub struct Worker {
     tokenizer: Tokenizer,
     state: GenState,
     serving: Scheduler,
+    /// Whether adapters loaded later are hashed (for the prefix folder).
+    adapter_digests: bool,
 }
 
 impl Worker {
@@ -496,12 +500,12 @@ fn load(
         .then(|| file_digests(&checkpoint, &config.adapters, &config.lora))
         .transpose()
         .map_err(err)?;
-    let named = &config.named_adapters;
-    let row_digests = match &digests {
-        Some(_) => adapters::digests(named).map_err(err)?,
-        None => Vec::new(),
-    };
-    let row_adapters = adapters::per_row(named, config.placement.group().is_some())?;
+    let adapter_digests = digests.is_some();
+    let row_adapters = adapters::per_row(
+        &config.named_adapters,
+        adapter_digests,
+        config.placement.group().is_some(),
+    )?;
     let lora = adapters::on_the_fly(&checkpoint, &config.adapters, config.lora).map_err(err)?;
     let mut loader = checkpoint.loader().lora(lora).placement(&config.placement);
     if let Some(adapters) = row_adapters {
@@ -551,7 +555,6 @@ fn load(
         prefix_cache: config.prefix_cache,
         placement: config.placement.clone(),
         prefix_disk: prefix_disk.clone(),
-        row_digests: row_digests.clone(),
     };
     let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
     let _ = grammars.set(Grammars::new(
@@ -566,7 +569,6 @@ fn load(
             special_tokens: config.special_tokens,
             prefix_store_bytes: config.prefix_store_bytes,
             prefix_disk,
-            row_digests,
         },
         counters,
         state.shareable_prefix(),
@@ -586,5 +588,6 @@ fn load(
         tokenizer,
         state,
         serving,
+        adapter_digests,
     })
 }
