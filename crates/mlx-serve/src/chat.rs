@@ -71,7 +71,7 @@ pub(crate) async fn chat_completions(
 }
 
 /// The body as JSON, with the path of a field of the wrong type.
-fn parse(body: &[u8]) -> Result<ChatRequest, ApiError> {
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
@@ -88,7 +88,9 @@ fn parse(body: &[u8]) -> Result<ChatRequest, ApiError> {
 /// The request's fields checked against what this server offers.
 fn check(state: &AppState, r: ChatRequest) -> Result<(Completion, Asked), ApiError> {
     let Ok(adapter) = state.adapter_of(&r.model) else {
-        let served: Vec<String> = state.served_ids().map(|id| format!("'{id}'")).collect();
+        let served: Vec<String> = (state.served_ids().iter())
+            .map(|id| format!("'{id}'"))
+            .collect();
         return Err(ApiError::invalid(
             "model",
             format!(

@@ -5,7 +5,10 @@
 //!
 //! Routes: `POST /v1/chat/completions` (whole, or `stream: true` as
 //! server-sent events), `GET /v1/models`, `GET /health`, `GET /metrics`
-//! (Prometheus text). docs/serving.md says what differs from OpenAI's API.
+//! (Prometheus text); with [`Settings::allow_adapter_loading`], `POST
+//! /v1/adapters` and `DELETE /v1/adapters/{name}` (adapters loaded and
+//! unloaded while serving). docs/serving.md says what differs from
+//! OpenAI's API.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -21,19 +24,20 @@
 //! # }
 //! ```
 
+mod adapters;
 mod chat;
 mod error;
 mod wire;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use mlx_engine::MlxEngine;
 
@@ -45,10 +49,12 @@ pub use error::ApiError;
 pub struct Settings {
     /// The id clients name in `model` (and `/v1/models` lists).
     pub model_id: String,
-    /// The names of the adapters the engine serves per row
-    /// (`EngineConfig::named_adapter`): a request naming
-    /// `"{model_id}:{name}"` decodes with that adapter.
-    pub adapters: Vec<String>,
+    /// Whether clients may load and unload adapters
+    /// (`POST /v1/adapters`, `DELETE /v1/adapters/{name}`): off by default,
+    /// since a load reads a folder of the server's machine. The adapters
+    /// the engine serves (`EngineConfig::named_adapter`, and those loaded
+    /// later) are offered as `"{model_id}:{name}"` either way.
+    pub adapter_loading: bool,
     /// `max_tokens` when a request gives none.
     pub default_max_tokens: usize,
     /// A request not done by then ends with a 504 (or an error event).
@@ -63,17 +69,17 @@ impl Settings {
     pub fn new(model_id: impl Into<String>) -> Settings {
         Settings {
             model_id: model_id.into(),
-            adapters: Vec::new(),
+            adapter_loading: false,
             default_max_tokens: 512,
             request_timeout: Duration::from_secs(600),
             shutdown_grace: Duration::from_secs(30),
         }
     }
 
-    /// The names of the adapters the engine was configured with
-    /// (`EngineConfig::named_adapter`), offered as `"{model_id}:{name}"`.
-    pub fn adapters(mut self, names: Vec<String>) -> Settings {
-        self.adapters = names;
+    /// Lets clients load and unload adapters (see
+    /// [`adapter_loading`](Self::adapter_loading)).
+    pub fn allow_adapter_loading(mut self, allow: bool) -> Settings {
+        self.adapter_loading = allow;
         self
     }
 
@@ -100,7 +106,9 @@ impl Settings {
 pub(crate) struct AppState {
     pub engine: Arc<MlxEngine>,
     pub model_id: String,
-    pub adapters: Vec<String>,
+    /// The adapters offered, in the order they were loaded.
+    adapters: RwLock<Vec<String>>,
+    pub adapter_loading: bool,
     pub vocab_size: usize,
     pub default_max_tokens: usize,
     pub request_timeout: Duration,
@@ -110,13 +118,10 @@ pub(crate) struct AppState {
 impl AppState {
     /// The ids a request may name: the base model, then the base with
     /// each adapter.
-    pub(crate) fn served_ids(&self) -> impl Iterator<Item = String> + '_ {
-        let base = std::iter::once(self.model_id.clone());
-        base.chain(
-            self.adapters
-                .iter()
-                .map(|a| format!("{}:{a}", self.model_id)),
-        )
+    pub(crate) fn served_ids(&self) -> Vec<String> {
+        let adapters = self.adapters.read().unwrap_or_else(PoisonError::into_inner);
+        let with = adapters.iter().map(|a| format!("{}:{a}", self.model_id));
+        std::iter::once(self.model_id.clone()).chain(with).collect()
     }
 
     /// The adapter a request's `model` names: `Ok(None)` for the base
@@ -129,9 +134,42 @@ impl AppState {
             .strip_prefix(self.model_id.as_str())
             .and_then(|rest| rest.strip_prefix(':'))
             .ok_or(())?;
-        match self.adapters.iter().any(|a| a == name) {
+        let adapters = self.adapters.read().unwrap_or_else(PoisonError::into_inner);
+        match adapters.iter().any(|a| a == name) {
             true => Ok(Some(name.to_owned())),
             false => Err(()),
+        }
+    }
+
+    /// Offers the adapter `name` (loaded).
+    pub(crate) fn add_adapter(&self, name: &str) {
+        let mut adapters = self
+            .adapters
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !adapters.iter().any(|a| a == name) {
+            adapters.push(name.to_owned());
+        }
+    }
+
+    /// Offers the adapter `name` no more; whether it was offered.
+    pub(crate) fn remove_adapter(&self, name: &str) -> bool {
+        let mut adapters = self
+            .adapters
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let before = adapters.len();
+        adapters.retain(|a| a != name);
+        adapters.len() != before
+    }
+
+    /// The model card of `id`.
+    pub(crate) fn card(&self, id: String) -> wire::ModelCard {
+        wire::ModelCard {
+            id,
+            object: "model",
+            created: 0,
+            owned_by: "mlx-lowmem",
         }
     }
 
@@ -150,10 +188,12 @@ pub fn router(engine: Arc<MlxEngine>, settings: &Settings) -> anyhow::Result<Rou
     let vocab_size = engine
         .submit(|worker| worker.model().config().vocab_size)
         .wait()?;
+    let adapters = RwLock::new(engine.adapters()?);
     let state = Arc::new(AppState {
         engine,
         model_id: settings.model_id.clone(),
-        adapters: settings.adapters.clone(),
+        adapters,
+        adapter_loading: settings.adapter_loading,
         vocab_size,
         default_max_tokens: settings.default_max_tokens,
         request_timeout: settings.request_timeout,
@@ -162,6 +202,8 @@ pub fn router(engine: Arc<MlxEngine>, settings: &Settings) -> anyhow::Result<Rou
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/adapters", post(adapters::load))
+        .route("/v1/adapters/{name}", delete(adapters::unload))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -222,14 +264,8 @@ async fn not_found() -> ApiError {
 async fn models(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     Json(wire::ModelList {
         object: "list",
-        data: state
-            .served_ids()
-            .map(|id| wire::ModelCard {
-                id,
-                object: "model",
-                created: 0,
-                owned_by: "mlx-lowmem",
-            })
+        data: (state.served_ids().into_iter())
+            .map(|id| state.card(id))
             .collect(),
     })
 }

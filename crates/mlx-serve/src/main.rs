@@ -42,6 +42,11 @@ struct Args {
     /// Repeatable.
     #[arg(long = "adapter", value_name = "NAME=DIR", value_parser = named_adapter)]
     adapters: Vec<(String, PathBuf)>,
+    /// Lets clients load and unload adapters while the server runs
+    /// (`POST /v1/adapters` with `{"name": …, "path": DIR}`, `DELETE
+    /// /v1/adapters/NAME`); a load reads a folder of this machine.
+    #[arg(long)]
+    allow_adapter_loading: bool,
     /// Address to listen on (127.0.0.1 by default: nothing outside this
     /// machine reaches it).
     #[arg(long, default_value = "127.0.0.1")]
@@ -150,7 +155,7 @@ fn run() -> anyhow::Result<()> {
         .ensure_loaded()
         .with_context(|| format!("loading {}", args.model_dir.display()))?;
     let settings = mlx_serve::Settings::new(model_id.clone())
-        .adapters(args.adapters.iter().map(|(name, _)| name.clone()).collect())
+        .allow_adapter_loading(args.allow_adapter_loading)
         .default_max_tokens(args.default_max_tokens)
         .request_timeout(Duration::from_secs_f64(args.request_timeout))
         .shutdown_grace(Duration::from_secs_f64(args.shutdown_grace));
