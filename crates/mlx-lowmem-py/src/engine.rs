@@ -209,6 +209,30 @@ impl Engine {
         }
     }
 
+    /// Serves the mlx_lm adapter folder `folder` as `name` from the next
+    /// call on (see `MlxEngine::load_adapter`).
+    fn load_adapter(
+        &self,
+        py: Python<'_>,
+        name: String,
+        folder: std::path::PathBuf,
+    ) -> PyResult<()> {
+        let reply = self.engine().load_adapter_async(name, folder);
+        py.detach(|| reply.wait()).map_err(|e| self.error(py, &e))
+    }
+
+    /// Stops serving the adapter `name`.
+    fn unload_adapter(&self, py: Python<'_>, name: String) -> PyResult<()> {
+        let reply = self.engine().unload_adapter_async(name);
+        py.detach(|| reply.wait()).map_err(|e| self.error(py, &e))
+    }
+
+    /// The names of the adapters served, in the order they were loaded.
+    fn adapters(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        py.detach(|| self.engine().adapters())
+            .map_err(|e| self.error(py, &e))
+    }
+
     /// The shared prefix's token ids (after the load).
     fn prefix_tokens(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
         let reply = self

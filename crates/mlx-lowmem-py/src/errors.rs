@@ -35,6 +35,7 @@ pub(crate) fn engine(error: &mlx_engine::EngineError) -> PyErr {
             "ConversationError"
         }
         E::PeerTimeout { .. } => "PeerTimeoutError",
+        E::AdapterLoad(_) | E::AdapterInUse { .. } => "AdapterError",
         _ => "GenerationError",
     };
     raise(class, error)

@@ -71,6 +71,7 @@ class Errors(unittest.TestCase):
             "ConversationError": ValueError,
             "GenerationError": RuntimeError,
             "CodecError": ValueError,
+            "AdapterError": ValueError,
             "FuseError": RuntimeError,
             "NotOfferedError": AttributeError,
             "NotLoadedError": AttributeError,

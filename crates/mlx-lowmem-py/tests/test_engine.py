@@ -207,6 +207,54 @@ class Adapters(unittest.IsolatedAsyncioTestCase):
             self.assertIn("z", str(raised.exception))
             await e.close()
 
+    async def test_adapters_load_and_unload_while_the_engine_runs(self) -> None:
+        # Loaded later, an adapter answers as the same adapter given at the
+        # start; unloaded, it is unknown again; one that fits no layer is
+        # refused, naming it.
+        with tempfile.TemporaryDirectory() as work:
+            x = Path(work) / "x"
+            write_adapter(x, 1)
+
+            def make(**options) -> mlx_lowmem.MlxEngine:
+                return mlx_lowmem.MlxEngine(smollm2("q4"), logits_processor_factory=None, prefix_messages=PREFIX,
+                                            batch_size=2, quantized="dequantize_on_use", **options)
+
+            async def answers(e: mlx_lowmem.MlxEngine, **options) -> list[str]:
+                return await e.generate(conversations(), lambda n: None, max_tokens=6, **options)
+
+            at_start = make(adapters={"x": x})
+            await at_start.ensure_loaded()
+            expected = await answers(at_start, adapter="x")
+            await at_start.close()
+
+            e = make()
+            await e.ensure_loaded()
+            base = await answers(e)
+            self.assertEqual(await e.adapters(), [])
+            await e.load_adapter("x", x)
+            self.assertEqual(await e.adapters(), ["x"])
+            self.assertEqual(await answers(e, adapter="x"), expected)
+            self.assertNotEqual(expected, base)
+            with self.assertRaises(mlx_lowmem.AdapterError) as raised:
+                await e.load_adapter("x", x)
+            self.assertIn("served already", str(raised.exception))
+            bad = Path(work) / "bad"
+            bad.mkdir()
+            (bad / "adapter_config.json").write_text((x / "adapter_config.json").read_text())
+            write_safetensors(bad / "adapters.safetensors", {
+                "model.layers.0.self_attn.q_norm.lora_a": np.zeros((576, 4), np.float32),
+                "model.layers.0.self_attn.q_norm.lora_b": np.zeros((4, 576), np.float32),
+            })
+            with self.assertRaises(mlx_lowmem.AdapterError) as raised:
+                await e.load_adapter("bad", bad)
+            self.assertIn("model.layers.0.self_attn.q_norm", str(raised.exception))
+            await e.unload_adapter("x")
+            self.assertEqual(await e.adapters(), [])
+            with self.assertRaises(mlx_lowmem.ConfigError):
+                await answers(e, adapter="x")
+            self.assertEqual(await answers(e), base)
+            await e.close()
+
 
 class SpawnllmMlxBackend(unittest.IsolatedAsyncioTestCase):
     @unittest.skipUnless(has("spawnllm"), "spawnllm is not installed here")

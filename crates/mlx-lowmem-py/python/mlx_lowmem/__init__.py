@@ -16,6 +16,7 @@ from mlx_lowmem import _errors as errors
 from mlx_lowmem._adapter import AdapterCodec, AdapterFuser
 from mlx_lowmem._engine import MlxEngine
 from mlx_lowmem._errors import (
+    AdapterError,
     CodecError,
     ConfigError,
     ConversationError,
@@ -35,6 +36,7 @@ from mlx_lowmem._native import MLX_VERSION, Tokenizer
 __all__ = [
     "MLX_VERSION",
     "AdapterCodec",
+    "AdapterError",
     "AdapterFuser",
     "CodecError",
     "ConfigError",

@@ -63,7 +63,9 @@ class MlxEngine:
       unfused beside the model; ``generate(..., adapter=name)`` decodes a
       call's conversations with one of them (the prefix's cache under it
       computed on its first use), so that several classifiers share one
-      copy of the base weights instead of one fused copy each.
+      copy of the base weights instead of one fused copy each. More are
+      loaded and unloaded while the engine runs: ``load_adapter``,
+      ``unload_adapter``.
 
     Example::
 
@@ -161,6 +163,23 @@ class MlxEngine:
             loop.call_soon_threadsafe(on_progress, done)
 
         return await _in_thread(self._native.generate, message_lists, max_tokens, progress, adapter)
+
+    async def load_adapter(self, name: str, folder: str | Path) -> None:
+        """Serves the mlx_lm adapter folder `folder` as `name`, unfused, from
+        the next call on (``generate(..., adapter=name)``); the base weights
+        are not copied. Raises `AdapterError` naming the adapter and its
+        first key that fits no layer of the model, or a name already
+        served; the adapters served stay as they were."""
+        await _in_thread(self._native.load_adapter, name, str(folder))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stops serving the adapter `name` (and drops the prefix's cache
+        under it). `ConfigError` when no adapter is called so."""
+        await _in_thread(self._native.unload_adapter, name)
+
+    async def adapters(self) -> list[str]:
+        """The names of the adapters served, in the order they were loaded."""
+        return await _in_thread(self._native.adapters)
 
     def peak_memory_gb(self) -> float:
         """The process's peak resident set size in GiB, from the OS (the

@@ -43,6 +43,12 @@ class TokenizerError(MlxLowmemError, ValueError):
     """The tokenizer or chat template could not handle the input."""
 
 
+class AdapterError(MlxLowmemError, ValueError):
+    """An adapter the engine cannot load or unload: it does not fit the model
+    (the adapter and its first key that does not are named), its folder
+    cannot be read, its name is taken, or requests still use it."""
+
+
 class CodecError(MlxLowmemError, ValueError):
     """The adapter codec met a file it cannot encode or decode (the file is named)."""
 
