@@ -106,7 +106,7 @@ impl ModelLoader {
     }
 
     /// Adapters kept unfused beside the weights and applied per row, in
-    /// any memory mode (see `weights/row_lora.rs`).
+    /// any memory mode (see `weights/row_lora/`).
     pub(crate) fn row_adapters(mut self, adapters: Arc<RowAdapters>) -> ModelLoader {
         self.row_adapters = Some(adapters);
         self

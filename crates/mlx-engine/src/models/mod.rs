@@ -37,7 +37,7 @@ pub struct Model {
     /// [`arithmetic`](Self::arithmetic)).
     arithmetic: String,
     pass_cost_tokens: usize,
-    /// Adapters applied per row, unfused (`weights/row_lora.rs`).
+    /// Adapters applied per row, unfused (`weights/row_lora/`).
     row_adapters: Option<Arc<RowAdapters>>,
 }
 
