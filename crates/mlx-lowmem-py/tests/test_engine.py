@@ -238,6 +238,16 @@ class Adapters(unittest.IsolatedAsyncioTestCase):
             with self.assertRaises(mlx_lowmem.AdapterError) as raised:
                 await e.load_adapter("x", x)
             self.assertIn("served already", str(raised.exception))
+            # The same adapter as the codec ships it: a folder with the .zst.
+            shipped = Path(work) / "shipped"
+            shipped.mkdir()
+            (shipped / "adapter_config.json").write_text((x / "adapter_config.json").read_text())
+            mlx_lowmem._native.codec_encode(str(shipped / "adapters.safetensors.zst"),
+                                            str(shipped / "adapter_config.json"),
+                                            str(x / "adapters.safetensors"), 3)
+            await e.load_adapter("shipped", shipped)
+            self.assertEqual(await answers(e, adapter="shipped"), expected)
+            await e.unload_adapter("shipped")
             bad = Path(work) / "bad"
             bad.mkdir()
             (bad / "adapter_config.json").write_text((x / "adapter_config.json").read_text())
