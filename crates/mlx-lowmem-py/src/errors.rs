@@ -30,7 +30,7 @@ pub(crate) fn engine(error: &mlx_engine::EngineError) -> PyErr {
     let class = match error {
         E::Closed => "EngineClosedError",
         E::Load(_) => "LoadError",
-        E::InvalidConfig(_) | E::UnknownAdapter(_) => "ConfigError",
+        E::InvalidConfig(_) | E::UnknownAdapter(_) | E::InvalidRequest(_) => "ConfigError",
         E::PrefixMismatch { .. } | E::NothingAfterPrefix { .. } | E::PromptTooLong { .. } => {
             "ConversationError"
         }

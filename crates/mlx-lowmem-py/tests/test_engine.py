@@ -248,6 +248,8 @@ class Adapters(unittest.IsolatedAsyncioTestCase):
             await e.load_adapter("shipped", shipped)
             self.assertEqual(await answers(e, adapter="shipped"), expected)
             await e.unload_adapter("shipped")
+            with self.assertRaises(mlx_lowmem.ConfigError):
+                await e.load_adapter("a:b", x)
             bad = Path(work) / "bad"
             bad.mkdir()
             (bad / "adapter_config.json").write_text((x / "adapter_config.json").read_text())

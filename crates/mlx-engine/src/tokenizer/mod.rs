@@ -205,7 +205,7 @@ impl Tokenizer {
 
     /// Renders `messages` with the chat template (as Hugging Face does:
     /// `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
-    /// `raise_exception`, `tojson`).
+    /// `raise_exception`, `strftime_now`, `tojson`).
     pub fn apply_chat_template(
         &self,
         messages: &[Message],
@@ -216,6 +216,15 @@ impl Tokenizer {
             .as_deref()
             .ok_or_else(|| Error::Template("the model has no chat template".to_owned()))?;
         let mut env = minijinja::Environment::new();
+        // Hugging Face renders chat templates with both on: a template
+        // whose block tags stand on lines of their own renders without
+        // those lines.
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| Error::Template(e.to_string()))?;
+        env.set_syntax(syntax);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -227,6 +236,7 @@ impl Tokenizer {
                 ))
             },
         );
+        env.add_function("strftime_now", strftime_now);
         env.add_template("chat", template)
             .map_err(|e| Error::Template(e.to_string()))?;
         let messages: Vec<minijinja::Value> = messages
@@ -321,4 +331,22 @@ fn content_spans(text: &str, messages: &[Message]) -> Vec<std::ops::Range<usize>
         }
     }
     spans
+}
+
+/// Hugging Face's `strftime_now(format)`: the local time now, formatted as
+/// Python's `strftime` does (Llama 3's templates date their system
+/// message with it, gpt-oss's require it). A format chrono cannot read is
+/// an error, not a panic.
+fn strftime_now(format: String) -> Result<String, minijinja::Error> {
+    use chrono::format::{Item, StrftimeItems};
+    let items: Vec<Item<'_>> = StrftimeItems::new(&format).collect();
+    if items.iter().any(|item| matches!(item, Item::Error)) {
+        return Err(minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("strftime_now: {format:?} is not a strftime format"),
+        ));
+    }
+    Ok(chrono::Local::now()
+        .format_with_items(items.into_iter())
+        .to_string())
 }
