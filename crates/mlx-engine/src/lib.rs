@@ -136,7 +136,8 @@ pub use runtime::generate::{Generation, GenerationStats};
 pub use runtime::lanes::{default_lanes, BlasThreads};
 pub use runtime::options::{
     EngineConfig, GenerateOptions, LogitsProcessor, LogitsProcessorFactory, PrefixCache,
-    DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_PEER_TIMEOUT, DEFAULT_PREFIX_STORE_BYTES,
+    DEFAULT_ADMISSION_WINDOW, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_PEER_TIMEOUT,
+    DEFAULT_PREFIX_STORE_BYTES,
 };
 pub use runtime::serving::{
     Completion, CompletionStream, CompletionText, Constraint, Finish, FinishReason, Sampling,

@@ -80,6 +80,37 @@ fn rows_that_join_and_leave_a_running_batch_answer_as_they_do_alone() {
 }
 
 #[test]
+fn a_request_within_the_admission_window_is_prefilled_with_the_first() {
+    let Some(model) = smollm2("a_request_within_the_admission_window") else {
+        return;
+    };
+    let first_tokens = |engine: &MlxEngine| {
+        let ask = |i: usize| {
+            engine
+                .complete(Completion::new(user(PROMPTS[i])).max_tokens(1))
+                .unwrap()
+        };
+        // The second a moment after the first, as a second client's
+        // request comes: long after the worker woke for the first.
+        let a = ask(1);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let b = ask(2);
+        [a.collect().unwrap().tokens, b.collect().unwrap().tokens]
+    };
+    // A window no second call misses; two waiting fill the batch of two,
+    // which ends the wait at once.
+    let window = std::time::Duration::from_secs(60);
+    let config = || EngineConfig::new(&model).batch_size(2);
+    let engine = MlxEngine::new(config().admission_window(window)).unwrap();
+    engine.ensure_loaded().unwrap();
+    let together = first_tokens(&engine);
+    assert_eq!(engine.serving_metrics().steps, 1, "one step for both");
+    // Without a window each starts as it comes; the answers are the same.
+    let engine = MlxEngine::new(config().admission_window(std::time::Duration::ZERO)).unwrap();
+    assert_eq!(first_tokens(&engine), together);
+}
+
+#[test]
 fn a_dropped_stream_frees_its_slot_and_the_next_request_runs() {
     let Some(model) = smollm2("a_dropped_stream_frees_its_slot") else {
         return;

@@ -210,6 +210,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", required=True)
     p.add_argument("--mlx-serve", required=True)
+    p.add_argument("--mlx-serve-args", default="",
+                   help="more arguments for mlx-serve, e.g. '--admission-window-ms 0'")
     p.add_argument("--mlx-lm-python")
     p.add_argument("--mlx-lm-path", help="a folder put first on mlx_lm.server's PYTHONPATH "
                    "(the interop venv keeps mlx_lm 0.32.2 in one)")
@@ -229,7 +231,7 @@ def main():
     rows += run_server(
         "mlx-serve",
         [args.mlx_serve, "--model-dir", args.model_dir, "--model-id", "bench", "--port", str(port),
-         "--batch-size", str(args.batch_size), "--max-queue", "1024"],
+         "--batch-size", str(args.batch_size), "--max-queue", "1024", *args.mlx_serve_args.split()],
         port, "bench", args,
     )
     if args.mlx_lm_python:

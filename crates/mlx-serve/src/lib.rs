@@ -283,7 +283,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         0.0
     };
     let peak = state.engine.peak_memory_bytes().unwrap_or(0);
-    let rows: [(&str, &str, &str, String); 13] = [
+    let rows: [(&str, &str, &str, String); 14] = [
         (
             "mlx_serve_queue_depth",
             "gauge",
@@ -325,6 +325,12 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
             "gauge",
             "Tokens generated per second of the worker's busy time.",
             format!("{per_second:.3}"),
+        ),
+        (
+            "mlx_serve_steps_total",
+            "counter",
+            "Engine steps: each prefills the requests admitted to it and decodes a token for every running row.",
+            m.steps.to_string(),
         ),
         (
             "mlx_serve_prefix_cache_hits_total",

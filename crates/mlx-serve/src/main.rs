@@ -64,6 +64,10 @@ struct Args {
     /// Rows decoded together at most.
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
+    /// Milliseconds a request that finds the server idle waits for others
+    /// sent with it, so that they are prefilled in one step; 0: none.
+    #[arg(long, default_value_t = mlx_engine::DEFAULT_ADMISSION_WINDOW.as_secs_f64() * 1e3)]
+    admission_window_ms: f64,
     /// Requests that may wait for a slot; one more gets a 429.
     #[arg(long, default_value_t = mlx_engine::DEFAULT_MAX_QUEUE)]
     max_queue: usize,
@@ -101,6 +105,14 @@ fn named_adapter(arg: &str) -> Result<(String, PathBuf), String> {
     Ok((name.to_owned(), PathBuf::from(dir)))
 }
 
+/// The window of `--admission-window-ms`: finite, 0 to 1000 ms.
+fn admission_window(ms: f64) -> anyhow::Result<std::time::Duration> {
+    if !(0.0..=1000.0).contains(&ms) {
+        anyhow::bail!("--admission-window-ms {ms}: give 0 to 1000");
+    }
+    Ok(std::time::Duration::from_secs_f64(ms / 1e3))
+}
+
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -129,6 +141,7 @@ fn run() -> anyhow::Result<()> {
         .batch_size(args.batch_size)
         .max_queue(args.max_queue)
         .prefix_store_bytes(args.prefix_store_mb << 20)
+        .admission_window(admission_window(args.admission_window_ms)?)
         .worker_name("mlx-serve-engine");
     for (name, dir) in &args.adapters {
         config = config.named_adapter(name, dir);

@@ -84,6 +84,7 @@ pub struct EngineConfig {
     pub(crate) peer_timeout: std::time::Duration,
     pub(crate) max_queue: usize,
     pub(crate) prefix_store_bytes: usize,
+    pub(crate) admission_window: std::time::Duration,
     pub(crate) prefix_cache_dir: Option<(PathBuf, u64)>,
 }
 
@@ -115,6 +116,7 @@ impl EngineConfig {
             peer_timeout: DEFAULT_PEER_TIMEOUT,
             max_queue: DEFAULT_MAX_QUEUE,
             prefix_store_bytes: DEFAULT_PREFIX_STORE_BYTES,
+            admission_window: DEFAULT_ADMISSION_WINDOW,
             prefix_cache_dir: None,
         }
     }
@@ -132,6 +134,18 @@ impl EngineConfig {
     /// recently used go first. The prefix messages' cache is held besides.
     pub fn prefix_store_bytes(mut self, bytes: usize) -> EngineConfig {
         self.prefix_store_bytes = bytes;
+        self
+    }
+
+    /// How long a serving request that finds the engine idle waits for
+    /// others sent with it (default [`DEFAULT_ADMISSION_WINDOW`]), so
+    /// that requests that arrive together are prefilled in one step
+    /// instead of each waiting for the step of the one before; the wait
+    /// ends early once a batch's worth waits. Zero: the first request
+    /// starts alone at once. A request that arrives while rows run never
+    /// waits for it: it joins at the next step.
+    pub fn admission_window(mut self, window: std::time::Duration) -> EngineConfig {
+        self.admission_window = window;
         self
     }
 
@@ -360,6 +374,12 @@ pub const DEFAULT_MAX_QUEUE: usize = 256;
 /// Bytes of shared prefixes serving keeps, by default (256 MiB: SmolLM2's
 /// cache of a 600-token prompt is 28 MB, Gemma 3 270M's about 11 MB).
 pub const DEFAULT_PREFIX_STORE_BYTES: usize = 256 << 20;
+
+/// How long a serving request that finds the engine idle waits for others
+/// sent with it, by default: clients that send together (a pool of
+/// workers whose answers came in one step) arrive within a millisecond or
+/// two of each other on one machine; a lone request loses this much.
+pub const DEFAULT_ADMISSION_WINDOW: std::time::Duration = std::time::Duration::from_millis(3);
 
 /// The prompt limit of a model whose config names no context length.
 pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 8192;

@@ -8,23 +8,22 @@
 //! Nobody waits forever.
 
 mod adapter_calls;
+mod start;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Sender};
 
 use crate::error::{panic_message, EngineError};
-use crate::models::checkpoint::Checkpoint;
 use crate::models::Model;
-use crate::runtime::adapters;
-use crate::runtime::generate::{generate_batch, GenSettings, GenState, Generation};
-use crate::runtime::options::{EngineConfig, GenerateOptions, DEFAULT_MAX_PROMPT_TOKENS};
-use crate::runtime::prefix_disk::{file_digests, PrefixDisk};
+use crate::runtime::generate::{generate_batch, GenState, Generation};
+use crate::runtime::options::{EngineConfig, GenerateOptions};
 use crate::runtime::serving::grammar::Grammars;
-use crate::runtime::serving::scheduler::{Scheduler, SchedulerSettings};
+use crate::runtime::serving::scheduler::Scheduler;
 use crate::runtime::serving::{
     Completion, CompletionStream, Counters, Pending, ServingMetrics, SharedCounters, StreamEvent,
 };
@@ -169,7 +168,7 @@ impl MlxEngine {
             .name(config.worker_name.clone())
             .spawn(move || {
                 let mut worker = catch_unwind(AssertUnwindSafe(|| {
-                    load(config, worker_counters.clone(), &worker_grammars)
+                    start::load(config, worker_counters.clone(), &worker_grammars)
                 }))
                 .unwrap_or_else(|p| Err(EngineError::Panicked(panic_message(p))));
                 let _ = load_result.set(worker.as_ref().map(|_| ()).map_err(Clone::clone));
@@ -456,6 +455,13 @@ fn serve(
         } else {
             rx.try_recv().ok()
         };
+        // Requests that find the worker idle wait a moment for those sent
+        // with them, so that they are prefilled together rather than each
+        // after the other's step (see `EngineConfig::admission_window`).
+        let gather_until = match worker.as_ref() {
+            Ok(w) if idle => Some(Instant::now() + w.serving.admission_window()),
+            _ => None,
+        };
         while let Some(command) = next {
             match command {
                 Command::Run(job) => job(worker.as_mut().map_err(|e| &*e)),
@@ -474,6 +480,14 @@ fn serve(
                 }
             }
             next = rx.try_recv().ok();
+            if next.is_none() {
+                let room = worker
+                    .as_ref()
+                    .is_ok_and(|w| w.serving.has_room_beside_waiting());
+                if let Some(until) = gather_until.filter(|_| room) {
+                    next = rx.recv_deadline(until).ok();
+                }
+            }
         }
         if let Ok(w) = worker.as_mut() {
             if !w.serving.is_idle() {
@@ -481,113 +495,4 @@ fn serve(
             }
         }
     }
-}
-
-fn load(
-    config: EngineConfig,
-    counters: SharedCounters,
-    grammars: &OnceLock<Grammars>,
-) -> Result<Worker, EngineError> {
-    let _span = tracing::info_span!("load", model_dir = %config.model_dir.display()).entered();
-    let err = |e: crate::Error| EngineError::Load(Arc::new(e));
-    let device = mlx_support::best_device();
-    mlx_support::use_device(device).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
-    let checkpoint = Checkpoint::open(&config.model_dir).map_err(err)?;
-    // What a prefix kept on disk is bound to: the model's files and the
-    // adapters' (hashed before the loader takes them). Not with ranks:
-    // each holds only its stage's layers.
-    let digests = (config.prefix_cache_dir.is_some() && config.placement.group().is_none())
-        .then(|| file_digests(&checkpoint, &config.adapters, &config.lora))
-        .transpose()
-        .map_err(err)?;
-    let adapter_digests = digests.is_some();
-    let row_adapters = adapters::per_row(
-        &config.named_adapters,
-        adapter_digests,
-        config.placement.group().is_some(),
-    )?;
-    let lora = adapters::on_the_fly(&checkpoint, &config.adapters, config.lora).map_err(err)?;
-    let mut loader = checkpoint.loader().lora(lora).placement(&config.placement);
-    if let Some(adapters) = row_adapters {
-        loader = loader.row_adapters(adapters);
-    }
-    if let Some(quantized) = config.quantized {
-        loader = loader.quantized(quantized);
-    }
-    if let Some(memory) = config.memory {
-        loader = loader.memory(memory);
-    }
-    if let Some(kernels) = config.kernels {
-        loader = loader.kernels(kernels);
-    }
-    let model = loader.load().map_err(|e| match e {
-        // A setting of the caller's, not a fault of the folder.
-        crate::Error::AdaptersNeedStreamedLayers { .. } => {
-            EngineError::InvalidConfig(e.to_string())
-        }
-        e => err(e),
-    })?;
-    let memory = model.memory();
-    let tokenizer = Tokenizer::load(&config.model_dir).map_err(err)?;
-    let processor = config.logits_processor_factory.map(|f| f(&tokenizer));
-    let max_prompt_tokens = config.max_prompt_tokens.unwrap_or_else(|| {
-        model
-            .config()
-            .max_position_embeddings
-            .unwrap_or(DEFAULT_MAX_PROMPT_TOKENS)
-    });
-    let prefix_disk = (config.prefix_cache_dir.zip(digests))
-        .map(|(folder, digests)| PrefixDisk::bound(folder, digests, model.arithmetic()));
-    let settings = GenSettings {
-        prefix_messages: config.prefix_messages,
-        processor,
-        batch_size: config.batch_size,
-        // Ranks exchange in one order: one chunk at a time.
-        blas_threads: config.blas_threads,
-        lanes: match config.placement.group() {
-            Some(_) => 1,
-            None => config
-                .lanes
-                .unwrap_or_else(|| crate::runtime::lanes::default_lanes(device, memory)),
-        },
-        max_prompt_tokens,
-        special_tokens: config.special_tokens,
-        prefix_cache: config.prefix_cache,
-        placement: config.placement.clone(),
-        prefix_disk: prefix_disk.clone(),
-    };
-    let state = GenState::new(&model, &tokenizer, settings).map_err(err)?;
-    let _ = grammars.set(Grammars::new(
-        config.model_dir.join("tokenizer.json"),
-        model.config().vocab_size,
-        tokenizer.eos_ids().iter().copied().collect(),
-    ));
-    let serving = Scheduler::new(
-        SchedulerSettings {
-            batch_size: config.batch_size,
-            max_prompt_tokens,
-            special_tokens: config.special_tokens,
-            prefix_store_bytes: config.prefix_store_bytes,
-            prefix_disk,
-        },
-        counters,
-        state.shareable_prefix(),
-    );
-    // What the load freed (the tokenizer file's parse, transient copies,
-    // the prefix's forward) would otherwise stay resident between
-    // requests; the first chunk faults in what it needs again, once.
-    let released = mlx_support::release_free_memory();
-    tracing::debug!(released, "free memory handed back after the load");
-    #[expect(
-        clippy::arc_with_non_send_sync,
-        reason = "the worker's Arc crosses to the lanes only inside a ForLanes, which says why that is sound"
-    )]
-    let model = Arc::new(model);
-    Ok(Worker {
-        model,
-        tokenizer,
-        state,
-        serving,
-        adapter_digests,
-    })
 }

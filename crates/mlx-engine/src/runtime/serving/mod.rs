@@ -311,6 +311,7 @@ pub(crate) struct Counters {
     pub prefix_folder_reads: AtomicU64,
     pub prefix_entries: AtomicUsize,
     pub prefix_bytes: AtomicUsize,
+    pub steps: AtomicU64,
     /// Seconds the worker spent in steps, in microseconds.
     pub busy_micros: AtomicU64,
 }
@@ -343,6 +344,9 @@ pub struct ServingMetrics {
     pub prefix_entries: usize,
     /// Their keys' and values' bytes.
     pub prefix_bytes: usize,
+    /// Steps taken: each prefills the requests admitted to it and decodes
+    /// one token for every running row.
+    pub steps: u64,
     /// Seconds the worker spent prefilling and decoding.
     pub busy_seconds: f64,
 }
@@ -362,6 +366,7 @@ impl Counters {
             prefix_folder_reads: get(&self.prefix_folder_reads),
             prefix_entries: self.prefix_entries.load(Ordering::Relaxed),
             prefix_bytes: self.prefix_bytes.load(Ordering::Relaxed),
+            steps: get(&self.steps),
             busy_seconds: get(&self.busy_micros) as f64 / 1e6,
         }
     }

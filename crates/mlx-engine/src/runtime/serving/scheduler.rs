@@ -34,6 +34,8 @@ pub(crate) struct SchedulerSettings {
     pub max_prompt_tokens: usize,
     pub special_tokens: SpecialTokens,
     pub prefix_store_bytes: usize,
+    /// How long a request that finds the worker idle waits for company.
+    pub admission_window: std::time::Duration,
     /// Where shared prefixes are kept across restarts, and what they are
     /// bound to there.
     pub prefix_disk: Option<(PrefixDisk, PrefixBinding)>,
@@ -112,6 +114,19 @@ impl Scheduler {
         self.waiting.is_empty() && self.cohorts.is_empty()
     }
 
+    /// How long a request that finds the worker idle waits for others.
+    pub(crate) fn admission_window(&self) -> std::time::Duration {
+        self.settings.admission_window
+    }
+
+    /// Whether nothing runs and requests wait that a batch has room
+    /// beside: then one more arriving now would be prefilled with them.
+    pub(crate) fn has_room_beside_waiting(&self) -> bool {
+        self.cohorts.is_empty()
+            && !self.waiting.is_empty()
+            && self.waiting.len() < self.settings.batch_size
+    }
+
     /// How many requests running or waiting use the adapter `name`, in
     /// `slot` (not those cancelled, which leave at the next step).
     pub(crate) fn using_adapter(&self, name: &str, slot: usize) -> usize {
@@ -154,6 +169,9 @@ impl Scheduler {
     /// every running row.
     pub(crate) fn step(&mut self, model: &Model, tokenizer: &Tokenizer) {
         let start = Instant::now();
+        // Counted as it begins: a caller that has its answer sees the step
+        // that gave it counted.
+        self.counters.steps.fetch_add(1, Ordering::Relaxed);
         let eos: Vec<u32> = tokenizer.eos_ids().iter().copied().collect();
         self.admit(model, tokenizer, &eos);
         let mut cohorts = std::mem::take(&mut self.cohorts);
