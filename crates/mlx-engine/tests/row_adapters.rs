@@ -240,14 +240,17 @@ fn prefixes_are_kept_per_adapter_and_unknown_or_unfitting_adapters_are_errors() 
         other => panic!("{other:?}"),
     }
 
-    // A pair for a module the model lacks, or one that does not fit its
-    // layer: the load names the adapter and the key.
+    // A pair for a module the model lacks, for a matrix that is no linear
+    // layer (the embedding table, which the tied head reads: never
+    // applied), or one that does not fit its layer: the load names the
+    // adapter and the key.
     let cases = [
         (
             "model.layers.3.self_attn.q_norm",
             576,
             "adapts no linear layer",
         ),
+        ("model.embed_tokens", 49152, "adapts no linear layer"),
         ("model.layers.3.mlp.up_proj", 100, "the layer 576 to 1536"),
     ];
     for (i, (module, outputs, says)) in cases.into_iter().enumerate() {

@@ -241,11 +241,16 @@ fn load(
     .with_row_adapters(row_adapters))
 }
 
-/// The modules of every matrix `checkpoint` holds, which a per-row
-/// adapter may adapt (see `RowAdapters::model_built`).
+/// The modules of every matrix of `checkpoint`'s decoder layers, which a
+/// per-row adapter may adapt though they are built later (streamed) or
+/// never (see `RowAdapters::model_built`). Outside the layers, what is a
+/// linear layer was built at load: a pair for another matrix there (the
+/// embedding table, which a tied head reads) would never be applied.
 fn matrices(checkpoint: &Checkpoint) -> BTreeSet<String> {
     let set = checkpoint.set();
+    let layers = checkpoint.block_prefix();
     set.keys()
+        .filter(|key| key.starts_with(layers.as_str()))
         .filter(|key| set.tensor(key).is_some_and(|t| t.shape.len() == 2))
         .filter_map(|key| key.strip_suffix(".weight").map(str::to_owned))
         .collect()

@@ -133,8 +133,8 @@ impl Served {
 struct Layers {
     /// Layers built so far: module → (inputs, outputs).
     built: BTreeMap<String, (usize, usize)>,
-    /// Once the model is built, the modules of every matrix its files
-    /// hold: layers built later (streamed) or never (the key and value
+    /// Once the model is built, the modules of every matrix its decoder
+    /// layers' files hold: built later (streamed) or never (the key and value
     /// projections a KV-shared Gemma 4 layer keeps unused, which an mlx_lm
     /// adapter may carry, as cc-sentiment's does: they change nothing
     /// there either).
