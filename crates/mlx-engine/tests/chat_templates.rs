@@ -9,7 +9,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use mlx_engine::{Message, Tokenizer};
 
@@ -57,15 +56,9 @@ fn folder(root: &Path, name: &str, template: &str) -> PathBuf {
 #[test]
 fn chat_templates_render_as_transformers_renders_them() {
     let test = "chat_templates_render_as_transformers_renders_them";
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&python)
-        .args(["-c", "import transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        eprintln!("SKIP {test}: {python} lacks transformers");
+    let Some(python) = test_support::python::python_with(test, "transformers") else {
         return;
-    }
+    };
     let work = tempfile::tempdir().unwrap();
     let dirs = [
         folder(work.path(), "lines", LINES),
@@ -100,17 +93,8 @@ fn chat_templates_render_as_transformers_renders_them() {
     let cases_path = work.path().join("cases.json");
     std::fs::write(&cases_path, serde_json::to_string(&cases).unwrap()).unwrap();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/parity/chat_templates.py");
-    let out = Command::new(&python)
-        .arg(script)
-        .arg(&cases_path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<String> = serde_json::from_slice(&out.stdout).unwrap();
+    let theirs: Vec<String> =
+        test_support::python::run_json(&python, &script, &[cases_path.as_os_str()]);
     assert_eq!(theirs.len(), ours.len());
     for (i, (ours, theirs)) in ours.iter().zip(&theirs).enumerate() {
         assert_eq!(ours, theirs, "case {i}: {}", cases[i]);

@@ -4,7 +4,6 @@
 //! mlx_lm on the same imported folder. Skips, saying so, without the fixture.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use mlx_engine::{
     EngineConfig, GenerateOptions, Kernels, KvCache, MemoryMode, Message, MlxEngine, Model,
@@ -53,15 +52,11 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
         eprintln!("SKIP tokens_logits_and_continuations_match_mlx_lm: no SmolLM2 fixture (run cargo xtask fixtures)");
         return;
     };
-    let python = std::env::var("MLX_LOWMEM_PYTHON").unwrap_or_else(|_| "python3".into());
-    if !Command::new(&python)
-        .args(["-c", "import mlx_lm"])
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        eprintln!("SKIP tokens_logits_and_continuations_match_mlx_lm: {python} lacks mlx_lm");
+    let Some(python) =
+        test_support::python::mlx_lm_python("tokens_logits_and_continuations_match_mlx_lm")
+    else {
         return;
-    }
+    };
     let work = tempfile::tempdir().unwrap();
     let prompts_path = work.path().join("prompts.json");
     let as_json: Vec<Vec<serde_json::Value>> = prompts()
@@ -74,18 +69,11 @@ fn tokens_logits_and_continuations_match_mlx_lm() {
         .collect();
     std::fs::write(&prompts_path, serde_json::to_string(&as_json).unwrap()).unwrap();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/parity/mlx_lm_smollm2.py");
-    let out = Command::new(&python)
-        .arg(script)
-        .arg(&dir)
-        .arg(&prompts_path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let reference: Vec<serde_json::Value> = test_support::python::run_json(
+        &python,
+        &script,
+        &[dir.as_os_str(), prompts_path.as_os_str()],
     );
-    let reference: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
 
     let tokenizer = Tokenizer::load(&dir).unwrap();
     // Both ways: the few-rows kernel where this CPU has it, and MLX's

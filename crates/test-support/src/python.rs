@@ -39,3 +39,24 @@ pub fn face_python_with(test: &str, modules: &str) -> Option<String> {
     };
     imports(test, python.to_string_lossy().into_owned(), modules)
 }
+
+/// Runs the reference script `script` under `python` with `args` and
+/// returns what it printed, parsed as JSON. A script that fails panics
+/// with its stderr: the reference could not answer.
+pub fn run_json<T: serde::de::DeserializeOwned>(
+    python: &str,
+    script: &std::path::Path,
+    args: &[&std::ffi::OsStr],
+) -> T {
+    let out = Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
