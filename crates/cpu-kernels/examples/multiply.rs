@@ -9,7 +9,9 @@ use cpu_kernels::{panels, Pool, PANEL};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !cpu_kernels::supported() {
-        println!("this CPU has no AVX-512F: every call is Error::Unsupported");
+        println!(
+            "this CPU has neither AVX-512F nor AVX2 with FMA: every call is Error::Unsupported"
+        );
         return Ok(());
     }
     let (rows, inputs, outputs) = (8, 576, 1536);

@@ -5,7 +5,7 @@
 #[non_exhaustive]
 pub enum Error {
     /// The CPU lacks the instructions the kernels are written for.
-    #[error("this CPU has no AVX-512F, which the kernels need")]
+    #[error("this CPU has neither AVX-512F nor AVX2 with FMA, one of which the kernels need")]
     Unsupported,
     /// A slice or dimension does not fit the others.
     #[error("{what}: expected {expected}, got {actual}")]

@@ -24,8 +24,9 @@
 //! how many of its threads one product may use.
 //!
 //! # Errors
-//! [`Error::Unsupported`] where the CPU has no AVX-512F (every machine but
-//! x86-64 ones with it, Apple Silicon included); [`Error::Shape`] when the
+//! [`Error::Unsupported`] where the CPU has neither AVX-512F nor AVX2 with
+//! FMA (every machine but x86-64 ones, Apple Silicon included; [`Isa`]
+//! names what runs); [`Error::Shape`] when the
 //! slices do not fit the dimensions given. Nothing panics on bad input.
 //!
 //! # Example
@@ -39,30 +40,26 @@
 //! let mut y = vec![0.0f32; rows * PANEL];
 //! match panels::multiply(&x, rows, inputs, &w, &mut y, pool.workers(2)) {
 //!     Ok(()) => assert_eq!(y, vec![0.75; PANEL]),
-//!     Err(cpu_kernels::Error::Unsupported) => {} // no AVX-512F here
+//!     Err(cpu_kernels::Error::Unsupported) => {} // not x86-64 with AVX2 or AVX-512F
 //!     Err(e) => return Err(e.into()),
 //! }
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 mod error;
+mod isa;
 pub mod packed;
 pub mod panels;
 mod pool;
 mod tiles;
 
 pub use error::{Error, Result};
+pub use isa::Isa;
 pub use pool::{Pool, Workers};
 pub use tiles::{PANEL, TILE_ROWS};
 
-/// Whether this CPU runs the kernels (AVX-512F on x86-64).
+/// Whether this CPU runs the kernels (x86-64 with AVX-512F, or AVX2 and
+/// FMA): [`Isa::best`] names which.
 pub fn supported() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Isa::best().is_some()
 }

@@ -17,9 +17,10 @@ use std::ops::Range;
 use half::{bf16, f16};
 
 use crate::error::{aligned, expect, within, Error, Result};
+use crate::isa::Isa;
 use crate::panels::panel_tile;
 use crate::pool::Workers;
-use crate::tiles::{each_tile, Tile, PANEL, TILE_ROWS};
+use crate::tiles::{each_tile, Tile, PANEL};
 
 /// A matrix's scales or biases, one per output and group, in the dtype
 /// the checkpoint holds them.
@@ -39,7 +40,9 @@ impl Scales<'_> {
         }
     }
 
-    /// Element `i` in f32 (exact from either half width).
+    /// Element `i` in f32 (exact from either half width), as the tests'
+    /// scalar loop reads it.
+    #[cfg(test)]
     fn at(&self, i: usize) -> f32 {
         match self {
             Scales::F32(s) => s[i],
@@ -157,12 +160,18 @@ struct Part<'m, 'a> {
 }
 
 impl Part<'_, '_> {
-    /// The 32 scales (or biases) of `panel`'s outputs for group `g` of the
-    /// part's columns.
-    fn panel_values(&self, values: Scales<'_>, panel: usize, g: usize) -> [f32; PANEL] {
+    /// The `N` scales (or biases) of the part's outputs from `first` on
+    /// for group `g` of its columns. The dtype is matched once per call,
+    /// not per value: this runs once per group of every panel.
+    fn group_values<const N: usize>(&self, values: Scales<'_>, first: usize, g: usize) -> [f32; N] {
         let group = self.first_column / self.m.group_size + g;
-        let first = self.first_output + panel * PANEL;
-        std::array::from_fn(|j| values.at((first + j) * self.m.row_groups + group))
+        let first = self.first_output + first;
+        let at = |j: usize| (first + j) * self.m.row_groups + group;
+        match values {
+            Scales::F32(s) => std::array::from_fn(|j| s[at(j)]),
+            Scales::Bf16(s) => std::array::from_fn(|j| s[at(j)].to_f32()),
+            Scales::F16(s) => std::array::from_fn(|j| s[at(j)].to_f32()),
+        }
     }
 }
 
@@ -171,9 +180,9 @@ impl Part<'_, '_> {
 /// `outputs` fall on panels of [`PANEL`], `columns` on whole groups.
 ///
 /// # Errors
-/// [`Error::Unsupported`] without AVX-512F; [`Error::Unaligned`],
-/// [`Error::OutOfRange`] or [`Error::Shape`] when the ranges or slices do
-/// not fit. Nothing is written then.
+/// [`Error::Unsupported`] on a CPU the kernels do not run on ([`Isa`]);
+/// [`Error::Unaligned`], [`Error::OutOfRange`] or [`Error::Shape`] when
+/// the ranges or slices do not fit. Nothing is written then.
 pub fn multiply(
     m: &PackedMatrix<'_>,
     outputs: Range<usize>,
@@ -183,26 +192,53 @@ pub fn multiply(
     y: &mut [f32],
     workers: Workers<'_>,
 ) -> Result<()> {
-    if !crate::supported() {
+    let isa = Isa::best().ok_or(Error::Unsupported)?;
+    multiply_on(isa, m, outputs, columns, x, rows, y, workers)
+}
+
+/// [`multiply`] on `isa`.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "multiply's, and the instructions"
+)]
+pub(crate) fn multiply_on(
+    isa: Isa,
+    m: &PackedMatrix<'_>,
+    outputs: Range<usize>,
+    columns: Range<usize>,
+    x: &[f32],
+    rows: usize,
+    y: &mut [f32],
+    workers: Workers<'_>,
+) -> Result<()> {
+    if !isa.available() {
         return Err(Error::Unsupported);
     }
     let part = m.part(&outputs, &columns)?;
     expect("x: rows × columns", rows * columns.len(), x.len())?;
     expect("y: rows × outputs", rows * outputs.len(), y.len())?;
-    multiply_part(&part, x, rows, y, workers);
+    multiply_part(isa, &part, x, rows, y, workers);
     Ok(())
 }
 
-/// [`multiply`] once its arguments are checked.
-fn multiply_part(part: &Part<'_, '_>, x: &[f32], rows: usize, y: &mut [f32], workers: Workers<'_>) {
+/// [`multiply`] once its arguments are checked, on `isa` (available).
+fn multiply_part(
+    isa: Isa,
+    part: &Part<'_, '_>,
+    x: &[f32],
+    rows: usize,
+    y: &mut [f32],
+    workers: Workers<'_>,
+) {
     let count = y.len() / (rows * PANEL).max(1);
-    if rows <= TILE_ROWS {
-        // One tile of rows: each word unpacked in registers as it is used.
+    if rows <= isa.packed_register_rows() {
+        // Few rows: each word unpacked in registers as it is used.
         each_tile(rows, count, y, workers, |tile: Tile| {
-            // SAFETY: the caller checked AVX-512F and that the part is
-            // inside the matrix; `x` is `tile.rows` rows of `part.inputs`;
-            // the tile's sums are its own (`each_tile`).
-            unsafe { packed_tile(part, x, &tile) };
+            // SAFETY: the caller checked `isa` and that the part is
+            // inside the matrix; `x` is `tile.rows` rows of `part.inputs`
+            // (at most `isa.packed_register_rows()`); the tile's sums are
+            // its own (`each_tile`).
+            unsafe { packed_tile(isa, part, x, &tile) };
         });
         return;
     }
@@ -213,19 +249,16 @@ fn multiply_part(part: &Part<'_, '_>, x: &[f32], rows: usize, y: &mut [f32], wor
         UNPACKED.with_borrow_mut(|panel| {
             if tile.row == 0 {
                 panel.resize(part.inputs * PANEL, 0.0);
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX-512F and the part inside the matrix (checked
-                // by the caller); `panel` holds `inputs × PANEL` floats.
-                unsafe {
-                    avx512::unpack(part, tile.panel, panel);
-                }
+                // SAFETY: the caller checked `isa` and that the part is
+                // inside the matrix; `panel` holds `inputs × PANEL` floats.
+                unsafe { unpack(isa, part, tile.panel, panel) };
             }
             let x = &x[tile.row * part.inputs..(tile.row + tile.rows) * part.inputs];
-            // SAFETY: AVX-512F (checked); `x` is `tile.rows` rows, `panel`
+            // SAFETY: `isa` (checked); `x` is `tile.rows` rows, `panel`
             // this tile's panel, unpacked at its first tile (`each_tile`
             // hands a panel's tiles out in order on one thread); the
             // tile's sums are its own.
-            unsafe { panel_tile(x, part.inputs, panel, &tile) };
+            unsafe { panel_tile(isa, x, part.inputs, panel, &tile) };
         });
     });
 }
@@ -248,7 +281,23 @@ pub fn routed(
     y: &mut [f32],
     workers: Workers<'_>,
 ) -> Result<()> {
-    if !crate::supported() {
+    let isa = Isa::best().ok_or(Error::Unsupported)?;
+    routed_on(isa, stack, expert_outputs, x, rows, experts, y, workers)
+}
+
+/// [`routed`] on `isa`.
+#[expect(clippy::too_many_arguments, reason = "routed's, and the instructions")]
+pub(crate) fn routed_on(
+    isa: Isa,
+    stack: &PackedMatrix<'_>,
+    expert_outputs: usize,
+    x: &[f32],
+    rows: usize,
+    experts: &[u32],
+    y: &mut [f32],
+    workers: Workers<'_>,
+) -> Result<()> {
+    if !isa.available() {
         return Err(Error::Unsupported);
     }
     aligned("an expert's outputs", expert_outputs, PANEL)?;
@@ -279,7 +328,7 @@ pub fn routed(
         }
         run_y.clear();
         run_y.resize(run.len() * expert_outputs, 0.0);
-        multiply_part(&part, &run_x, run.len(), &mut run_y, workers);
+        multiply_part(isa, &part, &run_x, run.len(), &mut run_y, workers);
         for (j, &c) in run.iter().enumerate() {
             y[c * expert_outputs..(c + 1) * expert_outputs]
                 .copy_from_slice(&run_y[j * expert_outputs..(j + 1) * expert_outputs]);
@@ -293,33 +342,60 @@ thread_local! {
     static UNPACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// [`avx512::tile`] for `tile.rows` rows.
+/// `isa`'s register kernel for `tile.rows` rows (at most
+/// `isa.packed_register_rows()`).
 ///
 /// # Safety
-/// As [`avx512::tile`]'s.
-unsafe fn packed_tile(part: &Part<'_, '_>, x: &[f32], tile: &Tile) {
+/// As [`avx512::tile`]'s (or [`avx2::tile`]'s), on `isa`.
+unsafe fn packed_tile(isa: Isa, part: &Part<'_, '_>, x: &[f32], tile: &Tile) {
     let x = &x[tile.row * part.inputs..(tile.row + tile.rows) * part.inputs];
     #[cfg(target_arch = "x86_64")]
     // SAFETY: as the caller promises.
     unsafe {
-        match tile.rows {
-            1 => avx512::tile::<1>(part, x, tile),
-            2 => avx512::tile::<2>(part, x, tile),
-            3 => avx512::tile::<3>(part, x, tile),
-            4 => avx512::tile::<4>(part, x, tile),
-            5 => avx512::tile::<5>(part, x, tile),
-            6 => avx512::tile::<6>(part, x, tile),
-            7 => avx512::tile::<7>(part, x, tile),
-            _ => avx512::tile::<8>(part, x, tile),
+        match (isa, tile.rows) {
+            (Isa::Avx512F, 1) => avx512::tile::<1>(part, x, tile),
+            (Isa::Avx512F, 2) => avx512::tile::<2>(part, x, tile),
+            (Isa::Avx512F, 3) => avx512::tile::<3>(part, x, tile),
+            (Isa::Avx512F, 4) => avx512::tile::<4>(part, x, tile),
+            (Isa::Avx512F, 5) => avx512::tile::<5>(part, x, tile),
+            (Isa::Avx512F, 6) => avx512::tile::<6>(part, x, tile),
+            (Isa::Avx512F, 7) => avx512::tile::<7>(part, x, tile),
+            (Isa::Avx512F, _) => avx512::tile::<8>(part, x, tile),
+            (Isa::Avx2Fma, 1) => avx2::tile::<1>(part, x, tile),
+            (Isa::Avx2Fma, 2) => avx2::tile::<2>(part, x, tile),
+            (Isa::Avx2Fma, _) => avx2::tile::<3>(part, x, tile),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        // Unreachable: callers return `Unsupported` first.
-        let _ = (part, x, tile);
+        // Unreachable: no instruction set is available here, and callers
+        // return `Unsupported` first.
+        let _ = (isa, part, x, tile);
     }
 }
 
+/// Panel `panel` of the part unpacked into `out` on `isa`.
+///
+/// # Safety
+/// As [`avx512::unpack`]'s (or [`avx2::unpack`]'s), on `isa`.
+unsafe fn unpack(isa: Isa, part: &Part<'_, '_>, panel: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as the caller promises.
+    unsafe {
+        match isa {
+            Isa::Avx512F => avx512::unpack(part, panel, out),
+            Isa::Avx2Fma => avx2::unpack(part, panel, out),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        // Unreachable, as in `packed_tile`.
+        let _ = (isa, part, panel, out);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
@@ -375,10 +451,12 @@ mod tests {
     /// thread or three, and a row alone the same as in a batch.
     #[test]
     fn sums_equal_the_scalar_loop_bit_for_bit() {
-        if !crate::supported() {
-            eprintln!("SKIPPED: this CPU has no AVX-512F");
-            return;
+        for isa in crate::isa::each_available() {
+            sums_on(isa);
         }
+    }
+
+    fn sums_on(isa: Isa) {
         let pool = Pool::new(3).unwrap();
         let (outputs, inputs, gs) = (96usize, 192usize, 32usize);
         let w = words(outputs * inputs / 8, 1);
@@ -406,19 +484,21 @@ mod tests {
                     let x = values(rows * cols.len(), rows as u64);
                     let mut one = vec![0f32; rows * outs.len()];
                     let mut three = vec![0f32; rows * outs.len()];
-                    let call =
-                        |y: &mut [f32], w| multiply(&m, outs.clone(), cols.clone(), &x, rows, y, w);
+                    let call = |y: &mut [f32], w| {
+                        multiply_on(isa, &m, outs.clone(), cols.clone(), &x, rows, y, w)
+                    };
                     call(&mut one, pool.workers(1)).unwrap();
                     call(&mut three, pool.workers(3)).unwrap();
                     assert_eq!(
                         one,
                         scalar(&m, outs.clone(), cols.clone(), &x),
-                        "{rows} rows"
+                        "{isa}, {rows} rows"
                     );
-                    assert_eq!(one, three, "{rows} rows: threads changed the sums");
+                    assert_eq!(one, three, "{isa}, {rows} rows: threads changed the sums");
                     let mut alone = vec![0f32; outs.len()];
                     let last = &x[(rows - 1) * cols.len()..];
-                    multiply(
+                    multiply_on(
+                        isa,
                         &m,
                         outs.clone(),
                         cols.clone(),
@@ -428,7 +508,11 @@ mod tests {
                         Workers::inline(),
                     )
                     .unwrap();
-                    assert_eq!(alone[..], one[(rows - 1) * outs.len()..], "a row alone");
+                    assert_eq!(
+                        alone[..],
+                        one[(rows - 1) * outs.len()..],
+                        "{isa}: a row alone"
+                    );
                 }
             }
         }
@@ -438,10 +522,12 @@ mod tests {
     /// alone, in both layouts (a row per choice; a row per two choices).
     #[test]
     fn routed_choices_equal_their_expert_alone() {
-        if !crate::supported() {
-            eprintln!("SKIPPED: this CPU has no AVX-512F");
-            return;
+        for isa in crate::isa::each_available() {
+            routed_on_each(isa);
         }
+    }
+
+    fn routed_on_each(isa: Isa) {
         let (n, out, inputs, gs) = (6usize, 64usize, 96usize, 32usize);
         let w = words(n * out * inputs / 8, 4);
         let (s, b) = (
@@ -456,13 +542,14 @@ mod tests {
         for rows in [20usize, 10] {
             let x = values(rows * inputs, 7);
             let mut y = vec![0f32; ids.len() * out];
-            routed(&stack, out, &x, rows, &ids, &mut y, pool.workers(2)).unwrap();
+            routed_on(isa, &stack, out, &x, rows, &ids, &mut y, pool.workers(2)).unwrap();
             for (c, &e) in ids.iter().enumerate() {
                 let r = c / (ids.len() / rows);
                 let mut alone = vec![0f32; out];
                 let outs = e as usize * out..(e as usize + 1) * out;
                 let row = &x[r * inputs..(r + 1) * inputs];
-                multiply(
+                multiply_on(
+                    isa,
                     &stack,
                     outs,
                     0..inputs,
@@ -475,7 +562,7 @@ mod tests {
                 assert_eq!(
                     alone[..],
                     y[c * out..(c + 1) * out],
-                    "choice {c}, {rows} rows"
+                    "{isa}: choice {c}, {rows} rows"
                 );
             }
         }

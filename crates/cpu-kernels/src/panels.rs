@@ -7,6 +7,7 @@
 //! after the first eight find the panel in the cache.
 
 use crate::error::{expect, Error, Result};
+use crate::isa::Isa;
 use crate::pool::Workers;
 use crate::tiles::{each_tile, Tile, PANEL, TILE_ROWS};
 
@@ -15,8 +16,9 @@ use crate::tiles::{each_tile, Tile, PANEL, TILE_ROWS};
 /// `workers` (each thread writes its panels' columns of every row).
 ///
 /// # Errors
-/// [`Error::Unsupported`] without AVX-512F; [`Error::Shape`] when the
-/// slices' lengths do not fit `rows` and `inputs`.
+/// [`Error::Unsupported`] on a CPU the kernels do not run on ([`Isa`]);
+/// [`Error::Shape`] when the slices' lengths do not fit `rows` and
+/// `inputs`.
 pub fn multiply(
     x: &[f32],
     rows: usize,
@@ -25,7 +27,21 @@ pub fn multiply(
     y: &mut [f32],
     workers: Workers<'_>,
 ) -> Result<()> {
-    if !crate::supported() {
+    let isa = Isa::best().ok_or(Error::Unsupported)?;
+    multiply_on(isa, x, rows, inputs, panels, y, workers)
+}
+
+/// [`multiply`] on `isa`, which the caller has found available.
+pub(crate) fn multiply_on(
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    inputs: usize,
+    panels: &[f32],
+    y: &mut [f32],
+    workers: Workers<'_>,
+) -> Result<()> {
+    if !isa.available() {
         return Err(Error::Unsupported);
     }
     let panel_len = inputs * PANEL;
@@ -40,10 +56,10 @@ pub fn multiply(
     each_tile(rows, count, y, workers, |tile| {
         let x = &x[tile.row * inputs..(tile.row + tile.rows) * inputs];
         let panel = &panels[tile.panel * panel_len..][..panel_len];
-        // SAFETY: checked above that the CPU has AVX-512F; `x` is
+        // SAFETY: checked above that the CPU runs `isa`; `x` is
         // `tile.rows` rows of `inputs`, `panel` is `inputs × PANEL`, and the
         // tile's sums are its own (`each_tile`).
-        unsafe { panel_tile(x, inputs, panel, &tile) };
+        unsafe { panel_tile(isa, x, inputs, panel, &tile) };
     });
     Ok(())
 }
@@ -53,31 +69,37 @@ pub fn multiply(
 /// multiply-adds, written through `tile.y`.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `x.len() == tile.rows · inputs`, `panel.len() ==
+/// The CPU runs `isa`; `x.len() == tile.rows · inputs`, `panel.len() ==
 /// inputs · PANEL`, `tile.rows <= TILE_ROWS`, and the tile's sums are
-/// writable and its own (as [`each_tile`] hands them out).
-pub(crate) unsafe fn panel_tile(x: &[f32], inputs: usize, panel: &[f32], tile: &Tile) {
+/// writable and their own (as [`each_tile`] hands them out).
+pub(crate) unsafe fn panel_tile(isa: Isa, x: &[f32], inputs: usize, panel: &[f32], tile: &Tile) {
     debug_assert!(tile.rows <= TILE_ROWS);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: as the caller promises.
     unsafe {
-        match tile.rows {
-            1 => avx512::tile::<1>(x, inputs, panel, tile.y, tile.stride),
-            2 => avx512::tile::<2>(x, inputs, panel, tile.y, tile.stride),
-            3 => avx512::tile::<3>(x, inputs, panel, tile.y, tile.stride),
-            4 => avx512::tile::<4>(x, inputs, panel, tile.y, tile.stride),
-            5 => avx512::tile::<5>(x, inputs, panel, tile.y, tile.stride),
-            6 => avx512::tile::<6>(x, inputs, panel, tile.y, tile.stride),
-            7 => avx512::tile::<7>(x, inputs, panel, tile.y, tile.stride),
-            _ => avx512::tile::<8>(x, inputs, panel, tile.y, tile.stride),
+        let (y, stride) = (tile.y, tile.stride);
+        match (isa, tile.rows) {
+            (Isa::Avx512F, 1) => avx512::tile::<1>(x, inputs, panel, y, stride),
+            (Isa::Avx512F, 2) => avx512::tile::<2>(x, inputs, panel, y, stride),
+            (Isa::Avx512F, 3) => avx512::tile::<3>(x, inputs, panel, y, stride),
+            (Isa::Avx512F, 4) => avx512::tile::<4>(x, inputs, panel, y, stride),
+            (Isa::Avx512F, 5) => avx512::tile::<5>(x, inputs, panel, y, stride),
+            (Isa::Avx512F, 6) => avx512::tile::<6>(x, inputs, panel, y, stride),
+            (Isa::Avx512F, 7) => avx512::tile::<7>(x, inputs, panel, y, stride),
+            (Isa::Avx512F, _) => avx512::tile::<8>(x, inputs, panel, y, stride),
+            (Isa::Avx2Fma, rows) => avx2::rows(x, rows, inputs, panel, y, stride),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        // Unreachable: callers return `Unsupported` first.
-        let _ = (x, inputs, panel, tile);
+        // Unreachable: no instruction set is available here, and callers
+        // return `Unsupported` first.
+        let _ = (isa, x, inputs, panel, tile);
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
@@ -169,10 +191,12 @@ mod tests {
     /// alone the same bits as in a batch.
     #[test]
     fn sums_equal_the_scalar_loop_bit_for_bit() {
-        if !crate::supported() {
-            eprintln!("SKIPPED: this CPU has no AVX-512F");
-            return;
+        for isa in crate::isa::each_available() {
+            sums_on(isa);
         }
+    }
+
+    fn sums_on(isa: Isa) {
         let pool = Pool::new(3).unwrap();
         let (inputs, count) = (77, 3);
         let panels = values(count * inputs * PANEL, 1);
@@ -180,13 +204,14 @@ mod tests {
             let x = values(rows * inputs, rows);
             let mut one = vec![0f32; rows * count * PANEL];
             let mut three = vec![0f32; rows * count * PANEL];
-            multiply(&x, rows, inputs, &panels, &mut one, pool.workers(1)).unwrap();
-            multiply(&x, rows, inputs, &panels, &mut three, pool.workers(3)).unwrap();
-            assert_eq!(one, scalar(&x, rows, inputs, &panels), "{rows} rows");
-            assert_eq!(one, three, "{rows} rows: threads changed the sums");
+            multiply_on(isa, &x, rows, inputs, &panels, &mut one, pool.workers(1)).unwrap();
+            multiply_on(isa, &x, rows, inputs, &panels, &mut three, pool.workers(3)).unwrap();
+            assert_eq!(one, scalar(&x, rows, inputs, &panels), "{isa}, {rows} rows");
+            assert_eq!(one, three, "{isa}, {rows} rows: threads changed the sums");
             let last = rows - 1;
             let mut alone = vec![0f32; count * PANEL];
-            multiply(
+            multiply_on(
+                isa,
                 &x[last * inputs..],
                 1,
                 inputs,
@@ -198,7 +223,7 @@ mod tests {
             assert_eq!(
                 alone[..],
                 one[last * count * PANEL..],
-                "{rows} rows: last row alone"
+                "{isa}, {rows} rows: last row alone"
             );
         }
     }

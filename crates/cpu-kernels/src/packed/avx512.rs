@@ -87,8 +87,8 @@ unsafe fn each_input(m: &Part<'_, '_>, panel: usize, mut f: impl FnMut(usize, __
     let mask = _mm512_set1_epi32(15);
     let words_per_group = m.m.group_size / 8;
     for g in 0..m.inputs / m.m.group_size {
-        let scales = m.panel_values(m.m.scales, panel, g);
-        let biases = m.panel_values(m.m.biases, panel, g);
+        let scales: [f32; PANEL] = m.group_values(m.m.scales, panel * PANEL, g);
+        let biases: [f32; PANEL] = m.group_values(m.m.biases, panel * PANEL, g);
         // SAFETY: 16 f32 each, inside the arrays just made.
         let (s_low, s_high, b_low, b_high) = unsafe {
             (

@@ -16,9 +16,9 @@
 //!
 //! The kernel itself is `cpu_kernels::panels` (MLX-free, its sums the same
 //! bits alone or in a batch, not BLAS's order); this module lays weights
-//! out for it and hands it MLX arrays' data. It is written for AVX-512
-//! (x86-64); elsewhere (and on the GPU) weights keep the `(in, out)` layout
-//! and every product goes to MLX.
+//! out for it and hands it MLX arrays' data. It is written for AVX-512F
+//! and for AVX2 with FMA (x86-64; the same sums); elsewhere (and on the
+//! GPU) weights keep the `(in, out)` layout and every product goes to MLX.
 
 use mlx_rs::Array;
 
@@ -131,7 +131,9 @@ mod tests {
     #[test]
     fn products_in_panels_equal_the_plain_product() {
         if !cpu_kernels::supported() {
-            eprintln!("SKIPPED: this CPU has no AVX-512F; products go to BLAS");
+            eprintln!(
+                "SKIPPED: this CPU has neither AVX-512F nor AVX2 with FMA; products go to BLAS"
+            );
             return;
         }
         let kernels = HostKernels::for_tests(2);

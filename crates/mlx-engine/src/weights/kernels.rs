@@ -12,15 +12,15 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Kernels {
-    /// The fastest this machine has: on a CPU with AVX-512, weights whose
+    /// The fastest this machine has: on an x86-64 CPU with AVX-512F or
+    /// AVX2 and FMA, weights whose
     /// outputs are a multiple of 32 are held in panels for the project's
     /// few-rows kernel; everything else goes to MLX (BLAS on the CPU).
     #[default]
     Native,
-    /// MLX's own products for every weight (BLAS on the CPU): what a
-    /// machine without AVX-512, and every GPU, runs. For comparing with
-    /// the Python original on an AVX-512 machine, or ruling the kernel
-    /// out.
+    /// MLX's own products for every weight (BLAS on the CPU): what other
+    /// CPUs (Apple Silicon's included) and every GPU run. For comparing
+    /// with the Python original, or ruling the kernel out.
     Portable,
 }
 
@@ -63,7 +63,7 @@ pub(crate) struct Products {
     #[expect(dead_code, reason = "read where the load's plan is printed")]
     device: mlx_support::ComputeDevice,
     /// Where the native kernels run: `None` where they do not (portable
-    /// kernels, the GPU, a CPU without AVX-512F).
+    /// kernels, the GPU, a CPU the kernels do not run on).
     host: Option<HostKernels>,
 }
 

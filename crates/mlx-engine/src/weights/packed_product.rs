@@ -15,7 +15,8 @@
 //!
 //! Runs for 4 bits, with f32, bfloat16 or float16 scales, on 32 outputs
 //! at a time and whole quantization groups, for up to [`MAX_ROWS`] rows,
-//! where the CPU has AVX-512F and the load chose the native kernels
+//! where the CPU has AVX-512F or AVX2 with FMA (x86-64) and the load chose
+//! the native kernels
 //! (`kernels::Products`); everything else is unpacked and multiplied by
 //! MLX.
 
@@ -189,7 +190,7 @@ mod tests {
     #[test]
     fn kernel_sums_match_a_double_precision_product_of_the_unpacked_weights() {
         if !cpu_kernels::supported() {
-            eprintln!("SKIPPED: this CPU has no AVX-512F; packed products go to MLX");
+            eprintln!("SKIPPED: this CPU has neither AVX-512F nor AVX2 with FMA; packed products go to MLX");
             return;
         }
         let k = HostKernels::for_tests(2);
@@ -257,7 +258,7 @@ mod tests {
         let x = random::normal::<f32>(&[2, 3, 128], None, None, &key).unwrap();
         let want = x.matmul(dense.t()).unwrap();
         if !cpu_kernels::supported() {
-            eprintln!("SKIPPED: this CPU has no AVX-512F; packed products go to MLX");
+            eprintln!("SKIPPED: this CPU has neither AVX-512F nor AVX2 with FMA; packed products go to MLX");
             return;
         }
         let k = HostKernels::for_tests(2);

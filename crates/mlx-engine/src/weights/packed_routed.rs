@@ -133,7 +133,7 @@ mod tests {
         let ids: Vec<u32> = vec![3, 0, 3, 5, 3, 3, 1, 3, 3, 2, 3, 3, 0, 3, 5, 3, 1, 3, 4, 2];
         let x = normal(&[20, 1, inputs], 2);
         if !cpu_kernels::supported() {
-            eprintln!("SKIPPED: this CPU has no AVX-512F; routed products go to MLX");
+            eprintln!("SKIPPED: this CPU has neither AVX-512F nor AVX2 with FMA; routed products go to MLX");
             return;
         }
         let k = HostKernels::for_tests(2);
