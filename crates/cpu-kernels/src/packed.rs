@@ -23,32 +23,72 @@ use crate::pool::Workers;
 use crate::tiles::{each_tile, Tile, PANEL};
 
 /// A matrix's scales or biases, one per output and group, in the dtype
-/// the checkpoint holds them.
+/// the checkpoint holds them: as values, or as the little-endian bytes a
+/// file holds them in, at any alignment (a memory map of a safetensors
+/// file, whose header need not leave its data aligned).
 #[derive(Debug, Clone, Copy)]
 pub enum Scales<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
     F16(&'a [f16]),
+    F32Le(&'a [u8]),
+    Bf16Le(&'a [u8]),
+    F16Le(&'a [u8]),
 }
 
 impl Scales<'_> {
+    /// How many values: for bytes that are no whole number of values,
+    /// `usize::MAX`, which no shape check accepts.
     fn len(&self) -> usize {
+        let values = |bytes: &[u8], size: usize| {
+            if bytes.len().is_multiple_of(size) {
+                bytes.len() / size
+            } else {
+                usize::MAX
+            }
+        };
         match self {
             Scales::F32(s) => s.len(),
             Scales::Bf16(s) => s.len(),
             Scales::F16(s) => s.len(),
+            Scales::F32Le(b) => values(b, 4),
+            Scales::Bf16Le(b) | Scales::F16Le(b) => values(b, 2),
         }
     }
 
-    /// Element `i` in f32 (exact from either half width), as the tests'
-    /// scalar loop reads it.
+    /// The `N` values at `at(0)`, …, `at(N - 1)` in f32 (exact from either
+    /// half width). The dtype is matched once per call, not per value.
+    fn gathered<const N: usize>(&self, at: impl Fn(usize) -> usize) -> [f32; N] {
+        // Plain loops: `array::from_fn` over the byte variants was not
+        // inlined (6% of a routed decode step's profile).
+        fn each<const N: usize>(value: impl Fn(usize) -> f32) -> [f32; N] {
+            let mut out = [0f32; N];
+            for (j, v) in out.iter_mut().enumerate() {
+                *v = value(j);
+            }
+            out
+        }
+        let four = |b: &[u8], i: usize| {
+            let mut word = [0u8; 4];
+            word.copy_from_slice(&b[4 * i..4 * i + 4]);
+            f32::from_le_bytes(word)
+        };
+        let two = |b: &[u8], i: usize| u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
+        match self {
+            Scales::F32(s) => each(|j| s[at(j)]),
+            Scales::Bf16(s) => each(|j| s[at(j)].to_f32()),
+            Scales::F16(s) => each(|j| s[at(j)].to_f32()),
+            Scales::F32Le(b) => each(|j| four(b, at(j))),
+            Scales::Bf16Le(b) => each(|j| bf16::from_bits(two(b, at(j))).to_f32()),
+            Scales::F16Le(b) => each(|j| f16::from_bits(two(b, at(j))).to_f32()),
+        }
+    }
+
+    /// Element `i` in f32, as the tests' scalar loop reads it.
     #[cfg(test)]
     fn at(&self, i: usize) -> f32 {
-        match self {
-            Scales::F32(s) => s[i],
-            Scales::Bf16(s) => s[i].to_f32(),
-            Scales::F16(s) => s[i].to_f32(),
-        }
+        let [v] = self.gathered::<1>(|_| i);
+        v
     }
 }
 
@@ -58,7 +98,9 @@ impl Scales<'_> {
 /// rows.
 #[derive(Debug, Clone, Copy)]
 pub struct PackedMatrix<'a> {
-    words: &'a [u32],
+    /// The words' little-endian bytes, at any alignment (the gathers read
+    /// them unaligned).
+    words: &'a [u8],
     row_words: usize,
     scales: Scales<'a>,
     biases: Scales<'a>,
@@ -80,6 +122,29 @@ impl<'a> PackedMatrix<'a> {
         biases: Scales<'a>,
         group_size: usize,
     ) -> Result<PackedMatrix<'a>> {
+        let bytes = bytemuck::cast_slice(words);
+        PackedMatrix::from_le_bytes(bytes, row_words, scales, biases, group_size)
+    }
+
+    /// [`new`](Self::new) for words given as their little-endian bytes, at
+    /// any alignment: a memory map of the file that holds them.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new)'s; [`Error::Shape`] for bytes that are no
+    /// whole number of words.
+    pub fn from_le_bytes(
+        words: &'a [u8],
+        row_words: usize,
+        scales: Scales<'a>,
+        biases: Scales<'a>,
+        group_size: usize,
+    ) -> Result<PackedMatrix<'a>> {
+        if !cfg!(target_endian = "little") {
+            // The gathers read words in the CPU's order: little-endian on
+            // every CPU the kernels run on.
+            return Err(Error::Unsupported);
+        }
+        aligned("words: bytes", words.len(), 4)?;
         // A group of no inputs is aligned to anything, and divides by zero.
         if group_size == 0 {
             return Err(Error::Unaligned {
@@ -89,19 +154,16 @@ impl<'a> PackedMatrix<'a> {
             });
         }
         aligned("the group size", group_size, 8)?;
-        let outputs = words.len().checked_div(row_words).unwrap_or(0);
+        let count = words.len() / 4;
+        let outputs = count.checked_div(row_words).unwrap_or(0);
         if outputs == 0 {
             return Err(Error::Shape {
                 what: "words: at least one row of row_words",
                 expected: row_words.max(1),
-                actual: words.len(),
+                actual: count,
             });
         }
-        expect(
-            "words: outputs × row_words",
-            outputs * row_words,
-            words.len(),
-        )?;
+        expect("words: outputs × row_words", outputs * row_words, count)?;
         let row_groups = row_words * 8 / group_size;
         expect(
             "scales: outputs × groups",
@@ -124,7 +186,7 @@ impl<'a> PackedMatrix<'a> {
 
     /// Outputs (rows of the matrix).
     pub fn outputs(&self) -> usize {
-        self.words.len() / self.row_words
+        self.words.len() / 4 / self.row_words
     }
 
     /// Inputs (columns).
@@ -166,12 +228,7 @@ impl Part<'_, '_> {
     fn group_values<const N: usize>(&self, values: Scales<'_>, first: usize, g: usize) -> [f32; N] {
         let group = self.first_column / self.m.group_size + g;
         let first = self.first_output + first;
-        let at = |j: usize| (first + j) * self.m.row_groups + group;
-        match values {
-            Scales::F32(s) => std::array::from_fn(|j| s[at(j)]),
-            Scales::Bf16(s) => std::array::from_fn(|j| s[at(j)].to_f32()),
-            Scales::F16(s) => std::array::from_fn(|j| s[at(j)].to_f32()),
-        }
+        values.gathered(|j| (first + j) * self.m.row_groups + group)
     }
 }
 
@@ -400,244 +457,4 @@ mod avx2;
 mod avx512;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::Pool;
-
-    /// Pseudo-random words and values from a seed.
-    fn words(n: usize, seed: u64) -> Vec<u32> {
-        let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                (state >> 32) as u32
-            })
-            .collect()
-    }
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        words(n, seed)
-            .into_iter()
-            .map(|w| (w % 2001) as f32 / 1000.0 - 1.0)
-            .collect()
-    }
-
-    /// The values the kernel unpacks and sums, as a scalar loop: `scale ·
-    /// q + bias` (a product, then a sum), each output summed over the
-    /// part's columns in order with fused multiply-adds.
-    fn scalar(m: &PackedMatrix<'_>, outs: Range<usize>, cols: Range<usize>, x: &[f32]) -> Vec<f32> {
-        let rows = x.len() / cols.len();
-        let mut y = Vec::new();
-        for r in 0..rows {
-            for o in outs.clone() {
-                let mut acc = 0f32;
-                for (i, k) in cols.clone().enumerate() {
-                    let word = m.words[o * m.row_words + k / 8];
-                    let q = ((word >> (4 * (k % 8))) & 15) as f32;
-                    let at = o * m.row_groups + k / m.group_size;
-                    let v = q * m.scales.at(at) + m.biases.at(at);
-                    acc = x[r * cols.len() + i].mul_add(v, acc);
-                }
-                y.push(acc);
-            }
-        }
-        y
-    }
-
-    /// Row counts around the tiles, a part of the outputs and of the
-    /// columns, f32 and half-width scales: the scalar loop's bits, on one
-    /// thread or three, and a row alone the same as in a batch.
-    #[test]
-    fn sums_equal_the_scalar_loop_bit_for_bit() {
-        for isa in crate::isa::each_available() {
-            sums_on(isa);
-        }
-    }
-
-    fn sums_on(isa: Isa) {
-        let pool = Pool::new(3).unwrap();
-        let (outputs, inputs, gs) = (96usize, 192usize, 32usize);
-        let w = words(outputs * inputs / 8, 1);
-        let (s, b) = (
-            values(outputs * inputs / gs, 2),
-            values(outputs * inputs / gs, 3),
-        );
-        let (s_bf, b_bf): (Vec<bf16>, Vec<bf16>) = (
-            s.iter().map(|&v| bf16::from_f32(v)).collect(),
-            b.iter().map(|&v| bf16::from_f32(v)).collect(),
-        );
-        let (s_h, b_h): (Vec<f16>, Vec<f16>) = (
-            s.iter().map(|&v| f16::from_f32(v)).collect(),
-            b.iter().map(|&v| f16::from_f32(v)).collect(),
-        );
-        let scales = [
-            (Scales::F32(&s), Scales::F32(&b)),
-            (Scales::Bf16(&s_bf), Scales::Bf16(&b_bf)),
-            (Scales::F16(&s_h), Scales::F16(&b_h)),
-        ];
-        for (scales, biases) in scales {
-            let m = PackedMatrix::new(&w, inputs / 8, scales, biases, gs).unwrap();
-            for (outs, cols) in [(0..96, 0..192), (32..96, 64..160)] {
-                for rows in [1usize, 2, 7, 8, 9, 17, 32] {
-                    let x = values(rows * cols.len(), rows as u64);
-                    let mut one = vec![0f32; rows * outs.len()];
-                    let mut three = vec![0f32; rows * outs.len()];
-                    let call = |y: &mut [f32], w| {
-                        multiply_on(isa, &m, outs.clone(), cols.clone(), &x, rows, y, w)
-                    };
-                    call(&mut one, pool.workers(1)).unwrap();
-                    call(&mut three, pool.workers(3)).unwrap();
-                    assert_eq!(
-                        one,
-                        scalar(&m, outs.clone(), cols.clone(), &x),
-                        "{isa}, {rows} rows"
-                    );
-                    assert_eq!(one, three, "{isa}, {rows} rows: threads changed the sums");
-                    let mut alone = vec![0f32; outs.len()];
-                    let last = &x[(rows - 1) * cols.len()..];
-                    multiply_on(
-                        isa,
-                        &m,
-                        outs.clone(),
-                        cols.clone(),
-                        last,
-                        1,
-                        &mut alone,
-                        Workers::inline(),
-                    )
-                    .unwrap();
-                    assert_eq!(
-                        alone[..],
-                        one[(rows - 1) * outs.len()..],
-                        "{isa}: a row alone"
-                    );
-                }
-            }
-        }
-    }
-
-    /// Each choice of a routed product equals its row times its expert
-    /// alone, in both layouts (a row per choice; a row per two choices).
-    #[test]
-    fn routed_choices_equal_their_expert_alone() {
-        for isa in crate::isa::each_available() {
-            routed_on_each(isa);
-        }
-    }
-
-    fn routed_on_each(isa: Isa) {
-        let (n, out, inputs, gs) = (6usize, 64usize, 96usize, 32usize);
-        let w = words(n * out * inputs / 8, 4);
-        let (s, b) = (
-            values(n * out * inputs / gs, 5),
-            values(n * out * inputs / gs, 6),
-        );
-        let stack =
-            PackedMatrix::new(&w, inputs / 8, Scales::F32(&s), Scales::F32(&b), gs).unwrap();
-        let pool = Pool::new(2).unwrap();
-        // 20 choices among the 6 experts, expert 3 chosen 11 times.
-        let ids: [u32; 20] = [3, 0, 3, 5, 3, 3, 1, 3, 3, 2, 3, 3, 0, 3, 5, 3, 1, 3, 4, 2];
-        for rows in [20usize, 10] {
-            let x = values(rows * inputs, 7);
-            let mut y = vec![0f32; ids.len() * out];
-            routed_on(isa, &stack, out, &x, rows, &ids, &mut y, pool.workers(2)).unwrap();
-            for (c, &e) in ids.iter().enumerate() {
-                let r = c / (ids.len() / rows);
-                let mut alone = vec![0f32; out];
-                let outs = e as usize * out..(e as usize + 1) * out;
-                let row = &x[r * inputs..(r + 1) * inputs];
-                multiply_on(
-                    isa,
-                    &stack,
-                    outs,
-                    0..inputs,
-                    row,
-                    1,
-                    &mut alone,
-                    Workers::inline(),
-                )
-                .unwrap();
-                assert_eq!(
-                    alone[..],
-                    y[c * out..(c + 1) * out],
-                    "{isa}: choice {c}, {rows} rows"
-                );
-            }
-        }
-    }
-
-    /// What does not fit is a typed error naming it, and writes nothing.
-    #[test]
-    fn parts_and_slices_that_do_not_fit_are_refused() {
-        let w = words(64 * 8, 8);
-        let s = values(64 * 2, 9);
-        let f = |s| Scales::F32(s);
-        let bad = PackedMatrix::new(&w, 8, f(&s), f(&s[1..]), 32);
-        assert!(matches!(bad, Err(Error::Shape { what, .. }) if what.starts_with("biases")));
-        let bad = PackedMatrix::new(&w, 8, f(&s), f(&s), 12);
-        assert!(matches!(
-            bad,
-            Err(Error::Unaligned {
-                what: "the group size",
-                ..
-            })
-        ));
-        assert!(PackedMatrix::new(&[], 8, f(&[]), f(&[]), 32).is_err());
-        assert!(PackedMatrix::new(&w, 0, f(&s), f(&s), 32).is_err());
-        let m = PackedMatrix::new(&w, 8, f(&s), f(&s), 32).unwrap();
-        assert_eq!((m.outputs(), m.inputs()), (64, 64));
-        if !crate::supported() {
-            let mut y = vec![0f32; 32];
-            let got = multiply(&m, 0..32, 0..64, &[0.0; 64], 1, &mut y, Workers::inline());
-            assert!(matches!(got, Err(Error::Unsupported)));
-            return;
-        }
-        let x = [1f32; 64];
-        let mut y = vec![7f32; 64];
-        let call = |outs: Range<usize>, cols: Range<usize>, y: &mut [f32]| {
-            multiply(
-                &m,
-                outs,
-                cols.clone(),
-                &x[..cols.len()],
-                1,
-                y,
-                Workers::inline(),
-            )
-        };
-        assert!(matches!(
-            call(0..48, 0..64, &mut y[..48]),
-            Err(Error::Unaligned { .. })
-        ));
-        assert!(matches!(
-            call(32..96, 0..64, &mut y),
-            Err(Error::OutOfRange { .. })
-        ));
-        assert!(matches!(
-            call(0..32, 16..48, &mut y[..32]),
-            Err(Error::Unaligned { .. })
-        ));
-        assert!(matches!(
-            call(0..32, 0..64, &mut y[..31]),
-            Err(Error::Shape { .. })
-        ));
-        assert!(y.iter().all(|&v| v == 7.0), "nothing written");
-        let routed_call =
-            |ids: &[u32], y: &mut [f32]| routed(&m, 32, &x, 1, ids, y, Workers::inline());
-        assert!(matches!(
-            routed_call(&[0, 2], &mut y),
-            Err(Error::OutOfRange { .. })
-        ));
-        assert!(matches!(
-            routed_call(&[0, 1], &mut y[..32]),
-            Err(Error::Shape { .. })
-        ));
-        assert!(matches!(
-            routed(&m, 48, &x, 1, &[0], &mut y, Workers::inline()),
-            Err(Error::Unaligned { .. })
-        ));
-        routed_call(&[1, 0], &mut y).unwrap();
-    }
-}
+mod tests;

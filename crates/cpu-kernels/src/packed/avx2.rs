@@ -122,7 +122,8 @@ unsafe fn each_input(
             // inside the words (`PackedMatrix::part`), and the offsets
             // reach only those rows.
             let (mut w_low, mut w_high) = unsafe {
-                let base = m.m.words.as_ptr().add(word).cast::<i32>();
+                // Unaligned: the gathers need no alignment.
+                let base = m.m.words.as_ptr().add(4 * word).cast::<i32>();
                 (
                     _mm256_i32gather_epi32::<4>(base, low_rows),
                     _mm256_i32gather_epi32::<4>(base, high_rows),

@@ -105,7 +105,8 @@ unsafe fn each_input(m: &Part<'_, '_>, panel: usize, mut f: impl FnMut(usize, __
             // are inside the words (`PackedMatrix::part`), and the offsets reach only
             // those rows.
             let (mut w_low, mut w_high) = unsafe {
-                let base = m.m.words.as_ptr().add(word).cast::<i32>();
+                // Unaligned: the gathers need no alignment.
+                let base = m.m.words.as_ptr().add(4 * word).cast::<i32>();
                 (
                     _mm512_i32gather_epi32::<4>(low_rows, base),
                     _mm512_i32gather_epi32::<4>(high_rows, base),

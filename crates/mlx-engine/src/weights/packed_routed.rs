@@ -14,6 +14,7 @@
 //! whether its experts were taken all at once or in groups, and whichever
 //! memory mode held them.
 
+use cpu_kernels::packed::PackedMatrix;
 use mlx_rs::Array;
 use mlx_support::Quantization;
 
@@ -49,17 +50,8 @@ pub(crate) fn routed_product(
         return Ok(None);
     }
     let (n, out) = (weight.dim(0) as usize, weight.dim(1) as usize);
-    let inputs = x.dim(-1) as usize;
-    let rows = x.size().checked_div(inputs).unwrap_or(0);
-    let choices = experts.len();
-    let fits = multiplies_packed(q)
-        && out.is_multiple_of(PANEL)
-        && out > 0
-        && inputs > 0
-        && rows > 0
-        && choices.is_multiple_of(rows)
-        && experts.iter().all(|&e| (e as usize) < n);
-    if !fits {
+    // What else the kernel takes is checked where it is called.
+    if !multiplies_packed(q) || n == 0 || out == 0 {
         return Ok(None);
     }
     let flat = |a: &Array| a.reshape(&[(n * out) as i32, a.dim(2)]);
@@ -76,7 +68,36 @@ pub(crate) fn routed_product(
     let Ok(stack) = host.matrix(q) else {
         return Ok(None);
     };
-    if stack.inputs() != inputs {
+    routed_on_host(x, &stack, out, experts, shape, kernels)
+}
+
+/// [`routed_product`] of a stack already on the host — the arrays' data,
+/// or the files' mapping — as one packed matrix of `n · out` rows: each
+/// choice's row times its expert's `out` rows. `None` where the kernel
+/// does not take it (outputs not whole panels, `x`'s width not the
+/// stack's, an expert past it, choices not a whole number per row).
+pub(crate) fn routed_on_host(
+    x: &Array,
+    stack: &PackedMatrix<'_>,
+    out: usize,
+    experts: &[u32],
+    shape: &[i32],
+    kernels: &HostKernels,
+) -> Result<Option<Array>> {
+    if x.ndim() == 0 {
+        return Ok(None);
+    }
+    let inputs = x.dim(-1) as usize;
+    let rows = x.size().checked_div(inputs).unwrap_or(0);
+    let choices = experts.len();
+    let n = stack.outputs().checked_div(out).unwrap_or(0);
+    let fits = out.is_multiple_of(PANEL)
+        && out > 0
+        && stack.inputs() == inputs
+        && rows > 0
+        && choices.is_multiple_of(rows)
+        && experts.iter().all(|&e| (e as usize) < n);
+    if !fits {
         return Ok(None);
     }
     let x = x
@@ -87,7 +108,7 @@ pub(crate) fn routed_product(
     let y = host_written("packed_routed::routed_product", &[choices, out], |sums| {
         let workers = kernels.workers();
         Ok(cpu_kernels::packed::routed(
-            &stack, out, xs, rows, experts, sums, workers,
+            stack, out, xs, rows, experts, sums, workers,
         )?)
     })?;
     let mut shape = shape.to_vec();

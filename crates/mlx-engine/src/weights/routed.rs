@@ -3,9 +3,11 @@
 //! routed products; or (packed ones unpacked on use, or any left in their
 //! files under `MemoryMode::MappedTables` and `Streamed`) taken at each
 //! forward for the experts the batch's rows were routed to alone, each once
-//! for every row that chose it. Reads from the files are positioned reads
-//! straight into one MLX buffer (st-mmap's `read_rows_into`; no second
-//! reader), used and dropped.
+//! for every row that chose it. Packed 4-bit experts that the project's
+//! kernel multiplies are read where they lie, in memory or in the files'
+//! mapping, nothing taken ([`in_place`]); otherwise reads from the files
+//! are positioned reads straight into one MLX buffer (st-mmap's
+//! `read_rows_into`; no second reader), used and dropped.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -178,6 +180,9 @@ impl RoutedExperts for WholeStack {
 /// unpacked on use, or anything left in the files.
 impl RoutedExperts for ChosenSource {
     fn product(&self, x: &Array, choices: &Choices<'_>, sorted: bool) -> Result<Array> {
+        if let Some(y) = self.product_in_place(x, choices.global)? {
+            return Ok(y);
+        }
         match choices.taken {
             Some((distinct, local)) => self.take(distinct)?.product(x, local, sorted),
             None => {
@@ -249,6 +254,8 @@ pub(crate) struct ChosenSource {
     /// (MLX's CPU `gather_mm` multiplies f32 alone).
     widen: bool,
 }
+
+mod in_place;
 
 /// One array of a stack, experts on axis 0.
 enum StackPart {
@@ -514,6 +521,17 @@ impl FileStack {
             self.set.advise_will_read(&self.key, e..e + 1)?;
         }
         Ok(())
+    }
+
+    /// The stack as the files' mapping holds it.
+    fn view(&self) -> Option<st_mmap::TensorView<'_>> {
+        self.set.tensor(&self.key)
+    }
+
+    /// Lets the pages of the stack's mapping that a product touched leave
+    /// this process's resident set (they stay in the page cache).
+    fn release(&self) {
+        self.set.release(&self.key);
     }
 
     /// Experts `experts` (distinct, ascending) of the stack, read now.
