@@ -231,7 +231,16 @@ fn watched<T: Send + 'static>(
     loop {
         crossbeam_channel::select! {
             recv(done_rx) -> msg => match msg {
-                Ok(value) => return Ok(value),
+                Ok(value) => {
+                    // The job sent its last ticks before its result, but
+                    // `select!` picks among ready channels at random:
+                    // report them first, so that progress reaches the
+                    // file's size.
+                    for tick in ticks.try_iter() {
+                        on_tick(tick);
+                    }
+                    return Ok(value);
+                }
                 Err(_) => {
                     return Err(Error::Download {
                         repo: repo.to_owned(),
