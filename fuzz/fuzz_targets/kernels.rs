@@ -48,4 +48,16 @@ fuzz_target!(|data: &[u8]| {
         let mut y = vec![0f32; ids.len() * PANEL];
         let _ = packed::routed(&m, PANEL, &x, ids.len(), &ids, &mut y, Workers::inline());
     }
+
+    // The same as a file's bytes, one byte off alignment and of any length.
+    let bytes = &rest[usize::from(data[1] & 1).min(rest.len())..];
+    let half = bytes.len() / 2;
+    let scales = Scales::Bf16Le(&bytes[..half]);
+    if let Ok(m) = PackedMatrix::from_le_bytes(bytes, row_words % 16, scales, scales, group % 64) {
+        let outputs = out_start % 128..out_start % 128 + out_len % 128;
+        let columns = 0..m.inputs();
+        let mut y = vec![0f32; rows % 16 * outputs.len()];
+        let x: Vec<f32> = floats.iter().copied().cycle().take(rows % 16 * columns.len()).collect();
+        let _ = packed::multiply(&m, outputs, columns, &x, rows % 16, &mut y, Workers::inline());
+    }
 });
