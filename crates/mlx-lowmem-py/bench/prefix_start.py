@@ -3,6 +3,7 @@ prefix (cc-sentiment 0.2.135's own prompt) computed cold against read from a
 prefix cache folder, in both arithmetics.
 
 Usage: prefix_start.py MODEL_DIR [--texts 8] [--warm 2]
+                       [--arithmetics keep,dequantize_on_use]
 
 Each start is a fresh process running cc-sentiment's `SentimentClassifier`
 (see classify.py), with `MLX_LOWMEM_PREFIX_CACHE_DIR` naming a new folder for
@@ -26,12 +27,15 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--texts", type=int, default=8)
     parser.add_argument("--warm", type=int, default=2)
+    # One arithmetic alone where the other's cold start takes too long
+    # (mlx_lm's packed products over E2B's widths: tens of minutes here).
+    parser.add_argument("--arithmetics", default="keep,dequantize_on_use")
     args = parser.parse_args()
     texts = [TEXTS[i % len(TEXTS)] for i in range(args.texts)]
     print(f"model: {args.model}; cc-sentiment's prompt; {len(texts)} texts scored after each start")
     print("| arithmetic | cold load s | warm load s | cold / warm | peak RSS MB cold, warm | labels equal |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for quantized in ["keep", "dequantize_on_use"]:
+    for quantized in args.arithmetics.split(","):
         with tempfile.TemporaryDirectory() as folder:
             env = {"MLX_LOWMEM_PREFIX_CACHE_DIR": folder, "MLX_LOWMEM_QUANTIZED": quantized}
             cold = run("ours", args.model, 2, texts, env)

@@ -16,7 +16,7 @@ use crate::nn::cache::KvCache;
 use crate::runtime::adapters;
 use crate::runtime::lanes::{self, BlasThreads, ChunkWork, Executor, View};
 use crate::runtime::options::{GenerateOptions, LogitsProcessor, PrefixCache};
-use crate::runtime::prefill::{padded_block, prefill, prefill_groups, prefill_into, PREFILL_CHUNK};
+use crate::runtime::prefill::{padded_block, prefill, prefill_groups, PREFILL_CHUNK};
 use crate::runtime::prefix_disk::{self, load_or_compute, PrefixBinding, PrefixDisk};
 use crate::tokenizer::{Message, SpecialTokens, Tokenizer};
 
@@ -193,23 +193,13 @@ fn prefix_cache_under(
         return Ok(KvCache::new());
     }
     let (prefix, _) = load_or_compute(model, tokens, slot, disk)?;
-    let mut cache = prefix.cache;
-    if what == PrefixCache::WithGeneratedToken {
-        let logits = model.with_adapter(slot, || model.head(&prefix.last_hidden))?;
-        let next = pick_tokens(processor, &logits)?;
-        tracing::debug!(
-            token = next[0],
-            "the prefix's cache holds its generated token"
-        );
-        model.with_adapter(slot, || {
-            prefill_into(model, &mut cache, &[&[next[0] as u32]])
-        })?;
-        // Held as every fork reads it, and computed before lanes read it
-        // (see `lanes`).
-        cache = cache.fork(1)?;
-        cache.evaluate()?;
+    if what == PrefixCache::Clean {
+        return Ok(prefix.cache);
     }
-    Ok(cache)
+    let logits = model.with_adapter(slot, || model.head(&prefix.last_hidden))?;
+    let next = pick_tokens(processor, &logits)?[0] as u32;
+    tracing::debug!(token = next, "the prefix's cache holds its generated token");
+    prefix_disk::then_token(model, prefix.cache, tokens, next, slot, disk)
 }
 
 fn gen_err(e: impl Into<crate::Error>) -> EngineError {

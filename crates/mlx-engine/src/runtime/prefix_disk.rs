@@ -66,6 +66,18 @@ impl PrefixBinding {
         binding.adapters.push(format!("per row {digest}"));
         binding
     }
+
+    /// This binding for the prefix of `prefix` tokens with one more fed
+    /// after it in a pass of its own ([`then_token`]): not the arithmetic
+    /// of one prefill of them all, so never read as one.
+    fn then_one_token(&self, prefix: usize) -> PrefixBinding {
+        let mut binding = self.clone();
+        binding.arithmetic = format!(
+            "{}; the last token fed after the first {prefix} in a pass of its own",
+            binding.arithmetic
+        );
+        binding
+    }
 }
 
 /// A prefix as it is stored: the one-row cache of exactly its tokens, and
@@ -254,6 +266,38 @@ pub(crate) fn load_or_compute(
         disk.store(binding, tokens, &computed);
     }
     Ok((computed, Origin::Computed))
+}
+
+/// `prefix` (the cache of the prefix `tokens`) with `next` fed after it in
+/// a pass of its own — the token a processor picked after the prefix,
+/// which [`PrefixCache::WithGeneratedToken`](crate::PrefixCache) keeps in
+/// the cache: read from `disk` when it holds it, else computed and stored
+/// there. Without this, every start from the folder ran that pass: one
+/// forward of the whole model, most of a warm start on a model whose
+/// products unpack their weights.
+pub(crate) fn then_token(
+    model: &Model,
+    mut prefix: KvCache,
+    tokens: &[u32],
+    next: u32,
+    adapter: Option<usize>,
+    disk: Option<&(PrefixDisk, PrefixBinding)>,
+) -> crate::Result<KvCache> {
+    let fed: Vec<u32> = tokens.iter().copied().chain([next]).collect();
+    let disk = disk.map(|(disk, binding)| (disk, binding.then_one_token(tokens.len())));
+    if let Some(stored) = disk.as_ref().and_then(|(disk, binding)| disk.load(binding, &fed)) {
+        evaluate(Why::Load, stored.cache.arrays())?;
+        return Ok(stored.cache);
+    }
+    let last_hidden = model.with_adapter(adapter, || prefill_into(model, &mut prefix, &[&[next]]))?;
+    // Held as every fork reads it.
+    let cache = prefix.fork(1)?;
+    evaluate(Why::Step, cache.arrays().chain([&last_hidden]))?;
+    let computed = StoredPrefix { cache, last_hidden };
+    if let Some((disk, binding)) = &disk {
+        disk.store(binding, &fed, &computed);
+    }
+    Ok(computed.cache)
 }
 
 /// The prefix folder and its binding for a prefix computed under
