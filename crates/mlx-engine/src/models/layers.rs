@@ -49,10 +49,11 @@ pub(crate) enum Schedule {
     /// next one runs.
     Independent,
     /// One chunk at a time, each as large as the batch size allows, its
-    /// prefill groups independent forwards: each chunk reads the routed
-    /// experts its rows chose from the files, so two half chunks side by
-    /// side read an expert both chose twice, and hold twice the experts
-    /// at once (a mixture of experts whose experts stay in the files).
+    /// prefill groups independent forwards: each chunk copies the routed
+    /// experts its rows chose out of the files, so two half chunks side by
+    /// side would read an expert both chose twice, and hold twice the
+    /// experts at once (a mixture of experts whose experts stay in the
+    /// files and are not multiplied where they lie).
     WholeChunks,
     /// The layers are read from the files at each forward: one chunk at a
     /// time, on the worker, and a chunk's prefill groups in one forward
@@ -149,6 +150,15 @@ impl<L> Layers<L> {
             range,
             held: Held::Streamed(Box::new(stream)),
         })
+    }
+
+    /// Whether `f` holds for any layer held in memory (none when the
+    /// layers are streamed, built anew at each use).
+    pub(crate) fn any_held(&self, f: impl Fn(&L) -> bool) -> bool {
+        match &self.held {
+            Held::Resident(layers) => layers.iter().any(f),
+            Held::Streamed(_) => false,
+        }
     }
 
     /// Whether the layers are read from the files at each forward.

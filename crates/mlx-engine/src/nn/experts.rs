@@ -70,6 +70,12 @@ pub(crate) enum Routing {
 const SORT_FROM: usize = 64;
 
 impl Experts {
+    /// Whether a forward copies its chosen experts out of the files (see
+    /// `RoutedExperts::copies_from_files`).
+    pub(crate) fn copies_from_files(&self) -> bool {
+        self.stacks.iter().any(|s| s.copies_from_files())
+    }
+
     /// The block's output for `x` `(B, L, hidden)`.
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
         self.forward_routed_by(x, x)

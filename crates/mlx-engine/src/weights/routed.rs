@@ -157,6 +157,13 @@ pub(crate) trait RoutedExperts {
     fn ask(&self, _experts: &[usize]) -> Result<()> {
         Ok(())
     }
+
+    /// Whether a forward copies the experts it chose out of the files
+    /// before multiplying them: then two chunks side by side would read,
+    /// and hold, an expert both chose twice.
+    fn copies_from_files(&self) -> bool {
+        false
+    }
 }
 
 /// One projection's stacked experts as the model holds them.
@@ -194,6 +201,10 @@ impl RoutedExperts for ChosenSource {
 
     fn taken_bytes_per_expert(&self) -> usize {
         self.taken_bytes
+    }
+
+    fn copies_from_files(&self) -> bool {
+        matches!(self.weight, StackPart::Files(_)) && !self.multiplies_in_place()
     }
 
     fn ask(&self, experts: &[usize]) -> Result<()> {

@@ -73,6 +73,11 @@ pub(super) struct LayerContext<'a> {
 }
 
 impl Layer {
+    /// Whether its forward copies routed experts out of the files.
+    pub(super) fn copies_experts(&self) -> bool {
+        self.moe.as_ref().is_some_and(MoeBlock::copies_experts)
+    }
+
     pub(super) fn load(cx: &LayerContext<'_>, w: &Weights<'_>, i: usize) -> Result<Layer> {
         let (config, spec) = (cx.config, cx.spec);
         let hidden = config.hidden_size;

@@ -140,8 +140,8 @@ pub(crate) struct Gemma {
     lm_head: Option<Linear>,
     /// Layers this stage holds.
     held: std::ops::Range<usize>,
-    /// Its routed experts are read from the files per forward.
-    experts_in_files: bool,
+    /// Its forwards copy their chosen experts out of the files.
+    experts_copied: bool,
 }
 
 impl Gemma {
@@ -205,6 +205,7 @@ impl Gemma {
         } else {
             Some(w.linear(&prefixes.head, hidden, vocab)?)
         };
+        let experts_copied = layers.any_held(Layer::copies_experts);
         Ok(Gemma {
             spec: spec.clone(),
             embed,
@@ -213,7 +214,7 @@ impl Gemma {
             norm: final_norm,
             lm_head,
             held: stage.layers(),
-            experts_in_files: spec.moe.is_some() && w.experts_in_files(),
+            experts_copied,
         })
     }
 
@@ -229,9 +230,9 @@ impl Gemma {
 impl Decoder for Gemma {
     fn schedule(&self) -> Schedule {
         match self.layers.schedule() {
-            // As for llama's experts: each routed expert read once per
+            // As for llama's experts: each routed expert copied once per
             // forward for the whole batch.
-            Schedule::Independent if self.experts_in_files => Schedule::WholeChunks,
+            Schedule::Independent if self.experts_copied => Schedule::WholeChunks,
             schedule => schedule,
         }
     }

@@ -25,6 +25,11 @@ pub(super) struct MoeBlock {
 }
 
 impl MoeBlock {
+    /// Whether its forward copies the chosen experts out of the files.
+    pub(super) fn copies_experts(&self) -> bool {
+        self.experts.copies_from_files()
+    }
+
     /// Layer `layer`'s block; its experts held as the memory mode says
     /// (in the files but for resident weights).
     pub(super) fn load(

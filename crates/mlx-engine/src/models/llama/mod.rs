@@ -81,6 +81,11 @@ struct LlamaSettings {
 }
 
 impl Layer {
+    /// Whether its forward copies routed experts out of the files.
+    fn copies_experts(&self) -> bool {
+        matches!(&self.mlp, Mlp::Experts(e) if e.copies_from_files())
+    }
+
     fn load(config: &ModelConfig, w: &Weights<'_>, i: usize) -> Result<Layer> {
         let hidden = config.hidden_size;
         let (heads, kv_heads, hd) = (
@@ -239,8 +244,8 @@ pub(crate) struct Llama {
     layers: Layers<Layer>,
     /// The final norm and output projection: on the last stage.
     head: Option<Head>,
-    /// Its experts are read from the files per forward.
-    experts_in_files: bool,
+    /// Its forwards copy their chosen experts out of the files.
+    experts_copied: bool,
     /// How positions rotate (the config's `rope_scaling`).
     rotation: Rotation,
 }
@@ -292,11 +297,12 @@ impl Llama {
             // Lanes read the model's arrays from other threads.
             crate::evaluation::evaluate(crate::evaluation::Why::Load, [freqs])?;
         }
+        let experts_copied = moe && layers.any_held(Layer::copies_experts);
         Ok(Llama {
             embed,
             layers,
             head,
-            experts_in_files: moe && w.experts_in_files(),
+            experts_copied,
             rotation,
         })
     }
@@ -313,7 +319,7 @@ impl Llama {
 impl Decoder for Llama {
     fn schedule(&self) -> Schedule {
         match self.layers.schedule() {
-            Schedule::Independent if self.experts_in_files => Schedule::WholeChunks,
+            Schedule::Independent if self.experts_copied => Schedule::WholeChunks,
             schedule => schedule,
         }
     }

@@ -28,6 +28,18 @@ use crate::weights::packed_routed::{routed_on_host, routed_product};
 use crate::weights::routing_counts::count_expert_bytes;
 
 impl ChosenSource {
+    /// Whether the kernel multiplies this stack's chosen experts where
+    /// they lie ([`product_in_place`](Self::product_in_place)): packed in
+    /// MLX's affine 4 bits with biases, unpacked on use, on a CPU the
+    /// kernels run on. (A stack whose tensors the kernel then does not
+    /// take is copied after all: correct, only not as fast.)
+    pub(super) fn multiplies_in_place(&self) -> bool {
+        matches!(
+            (&self.on_host, &self.packing),
+            (Some(_), Some((_, Some(_), q))) if multiplies_packed(*q)
+        )
+    }
+
     /// Each row of `x` times its choice's expert (`global`: places in the
     /// whole stack) by the kernel, reading the stack where it lies; `None`
     /// where the kernel does not take it (no kernels, not MLX's 4-bit
@@ -117,7 +129,7 @@ mod tests {
 
     use super::*;
     use crate::weights::kernels::HostKernels;
-    use crate::weights::routed::Choices;
+    use crate::weights::routed::{Choices, RoutedExperts};
     use crate::weights::routing_counts::expert_bytes_read;
 
     const Q: Quantization = Quantization::affine(32, 4);
@@ -161,6 +173,19 @@ mod tests {
             widen: false,
         };
         let in_memory = ChosenSource::chosen_in_memory(w, Some((s, b, Q)), true, Some(kernels));
+        // Nothing copied per forward, so chunks may run side by side; the
+        // same stack without the kernels is copied out at each forward.
+        assert!(!mapped.copies_from_files());
+        let copied = ChosenSource {
+            taken_bytes: out as usize * inputs as usize * 4,
+            weight: part("weight"),
+            packing: Some((part("scales"), Some(part("biases")), Q)),
+            unpack: true,
+            on_host: None,
+            widen: false,
+        };
+        assert!(copied.copies_from_files());
+        assert!(!in_memory.copies_from_files(), "in memory, nothing is read from the files");
 
         // Three rows, two choices each, expert 4 chosen twice.
         let x = random::normal::<f32>(&[3, 1, 1, inputs], None, None, &key).unwrap();
