@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=8)
     parser.add_argument("--warm", type=int, default=2)
     # One arithmetic alone where the other's cold start takes too long
-    # (mlx_lm's packed products over E2B's widths: tens of minutes here).
+    # (mlx_lm's packed products over E2B's widths: six minutes on a 2-core CPU).
     parser.add_argument("--arithmetics", default="keep,dequantize_on_use")
     args = parser.parse_args()
     texts = [TEXTS[i % len(TEXTS)] for i in range(args.texts)]

@@ -75,7 +75,7 @@ pub fn exactness(work: &Path) {
         })
         .collect();
     // `keep` (MLX's quantized product) is not run: its pass over the
-    // 693-token prompt takes tens of minutes on this CPU.
+    // 693-token prompt takes six minutes on a 2-core CPU (docs/benchmarks.md).
     let q = QuantizedWeights::DequantizeOnUse;
     let ask = |config: EngineConfig, adapter: Option<&str>| -> (Vec<CompletionText>, f64) {
         let start = Instant::now();
