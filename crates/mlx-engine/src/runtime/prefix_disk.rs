@@ -285,11 +285,15 @@ pub(crate) fn then_token(
 ) -> crate::Result<KvCache> {
     let fed: Vec<u32> = tokens.iter().copied().chain([next]).collect();
     let disk = disk.map(|(disk, binding)| (disk, binding.then_one_token(tokens.len())));
-    if let Some(stored) = disk.as_ref().and_then(|(disk, binding)| disk.load(binding, &fed)) {
+    if let Some(stored) = disk
+        .as_ref()
+        .and_then(|(disk, binding)| disk.load(binding, &fed))
+    {
         evaluate(Why::Load, stored.cache.arrays())?;
         return Ok(stored.cache);
     }
-    let last_hidden = model.with_adapter(adapter, || prefill_into(model, &mut prefix, &[&[next]]))?;
+    let last_hidden =
+        model.with_adapter(adapter, || prefill_into(model, &mut prefix, &[&[next]]))?;
     // Held as every fork reads it.
     let cache = prefix.fork(1)?;
     evaluate(Why::Step, cache.arrays().chain([&last_hidden]))?;

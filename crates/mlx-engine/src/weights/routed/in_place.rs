@@ -185,7 +185,10 @@ mod tests {
             widen: false,
         };
         assert!(copied.copies_from_files());
-        assert!(!in_memory.copies_from_files(), "in memory, nothing is read from the files");
+        assert!(
+            !in_memory.copies_from_files(),
+            "in memory, nothing is read from the files"
+        );
 
         // Three rows, two choices each, expert 4 chosen twice.
         let x = random::normal::<f32>(&[3, 1, 1, inputs], None, None, &key).unwrap();
