@@ -5,7 +5,8 @@
 use std::arch::x86_64::{
     __m256, _mm256_add_ps, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_fmadd_ps,
     _mm256_i32gather_epi32, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_set1_epi32,
-    _mm256_set1_ps, _mm256_setzero_ps, _mm256_srli_epi32, _mm256_storeu_ps,
+    _mm256_set1_ps, _mm256_setzero_ps, _mm256_srli_epi32, _mm256_storeu_ps, _mm_prefetch,
+    _MM_HINT_T0,
 };
 
 use super::{Part, PANEL};
@@ -13,6 +14,10 @@ use crate::tiles::Tile;
 
 /// Outputs a pass handles: two registers of eight.
 const HALF: usize = PANEL / 2;
+
+/// How many groups ahead of the one multiplied the rows' words are asked
+/// for.
+const PREFETCH_GROUPS: usize = 4;
 
 /// The panel's `(inputs, PANEL)` values unpacked, as [`tile`] unpacks
 /// them, into `out`.
@@ -101,7 +106,18 @@ unsafe fn each_input(
     };
     let mask = _mm256_set1_epi32(15);
     let words_per_group = m.m.group_size / 8;
+    let words = m.m.words.as_ptr();
     for g in 0..m.inputs / m.m.group_size {
+        // The gathers read 16 rows a row's length apart, a stride the
+        // hardware's prefetchers follow poorly: each gather waited for its
+        // lines. Ask for each row's words a few groups ahead (a hint: the
+        // values are the same; `wrapping_add`, as the last groups' asks
+        // point past the words, where a prefetch does not fault).
+        let ahead = (m.first_column + (g + PREFETCH_GROUPS) * m.m.group_size) / 8;
+        for j in 0..HALF {
+            let at = 4 * ((first_row + j) * m.m.row_words + ahead);
+            _mm_prefetch::<_MM_HINT_T0>(words.wrapping_add(at).cast());
+        }
         let first = panel * PANEL + half * HALF;
         let scales: [f32; HALF] = m.group_values(m.m.scales, first, g);
         let biases: [f32; HALF] = m.group_values(m.m.biases, first, g);
